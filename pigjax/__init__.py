@@ -1,0 +1,1 @@
+"""pigjax: MagicPIG LSH-sampled attention for Llama models in JAX/Flax."""
