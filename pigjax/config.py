@@ -73,6 +73,8 @@ class Config:
   dtype: str = "float32"  # activations and weights: "float32" | "bfloat16"
   max_seq_len: int = 4096  # cache capacity per sequence (prompt + generated)
   prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks
+  # The architecture is read from the checkpoint when it is loaded and replaces this section;
+  # setting it by hand only matters for code that builds a model without a checkpoint.
   model: ModelConfig = ModelConfig()
   attention: AttentionConfig = AttentionConfig()
   sampling: SamplingConfig = SamplingConfig()

@@ -1,0 +1,60 @@
+r"""Generate text from the command line.
+
+  python -m pigjax.generate --config configs/smollm2_135m.py \
+      --prompt "What is the capital of France?" --chat
+  python -m pigjax.generate --config configs/smollm2_135m.py --config.attention.kind=magicpig \
+      --prompt_file long.txt --config.sampling.max_new_tokens=64
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from pigjax import config as config_lib
+from pigjax.pipeline import Pipeline
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
+                                          "A configs/*.py file with get_config().")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt text; repeat for a batch.")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Read the prompt from this file.")
+_CHAT = flags.DEFINE_bool("chat", False, "Render the prompt with the model's chat template.")
+_SYSTEM = flags.DEFINE_string("system", None, "System message (with --chat).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cfg = config_lib.from_config_dict(_CONFIG.value)
+  prompts = list(_PROMPT.value or [])
+  if _PROMPT_FILE.value:
+    with open(_PROMPT_FILE.value, encoding="utf-8") as f:
+      prompts.append(f.read())
+  if not prompts:
+    raise app.UsageError("Give --prompt or --prompt_file.")
+
+  pipe = Pipeline.load(cfg)
+  streaming = len(prompts) == 1
+
+  def on_text(slot: int, piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+  results, stats = pipe.generate(prompts, chat=_CHAT.value, system=_SYSTEM.value,
+                                 on_text=on_text if streaming else None, progress=True)
+  if streaming:
+    print()
+  else:
+    for i, r in enumerate(results):
+      print(f"--- [{i}] {r.text}")
+  extra = ""
+  if "pool_fraction" in stats.extra:
+    extra = f", attended {100 * stats.extra['pool_fraction']:.2f}% of the pool"
+  print(f"[pigjax] {cfg.attention.kind} attention | prompt {stats.prompt_tokens} tokens | "
+        f"time to first token {stats.prefill_s:.2f} s | {stats.generated_tokens} new tokens, "
+        f"decode {stats.decode_tokens_per_s:.1f} tokens/s | load {pipe.load_s:.1f} s, compile "
+        f"{stats.compile_s:.1f} s{extra}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  app.run(main)
