@@ -51,6 +51,11 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def _bucket(n: int, smallest: int) -> int:
+  """The smallest power of two >= max(n, smallest)."""
+  return max(smallest, 1 << (n - 1).bit_length())
+
+
 class Engine:
   """Runs a `Llama` with a given attention backend over batches of token-id prompts."""
 
@@ -129,19 +134,22 @@ class Engine:
           f"config max_seq_len={self.cfg.max_seq_len}).")
     stats = GenerationStats(prompt_tokens=sum(lengths), extra={"batch": B})
     chunk = self.cfg.prefill_chunk
-    padded = _round_up(max(lengths), min(chunk, _round_up(max(lengths), 16)))
-    cache_len = _round_up(max(lengths) + sc.max_new_tokens, 128)
+    # Shapes are bucketed (powers of two, then multiples of the chunk) so that few distinct
+    # programs are compiled across calls.
+    step_len = min(chunk, _bucket(max(lengths), 32))
+    padded = _round_up(max(lengths), step_len)
+    cache_len = min(_bucket(max(lengths) + sc.max_new_tokens, 256),
+                    _round_up(max(lengths) + sc.max_new_tokens, 1024))
     tokens_BP = np.zeros((B, padded), np.int32)
     for b, p in enumerate(prompts):
       tokens_BP[b, :len(p)] = p
-    history_BS = np.full((B, cache_len), -1, np.int32)
-    history_BS[:, :padded] = np.where(np.arange(padded)[None] < np.array(lengths)[:, None],
-                                      tokens_BP, -1)
+    history_BS = np.full((B, cache_len), -1, np.int32)  # prompt + generated ids, for penalties
+    for b, p in enumerate(prompts):
+      history_BS[b, :len(p)] = p
     lengths_B = np.array(lengths, np.int32)
 
     cache = self.backend.create_cache(B, cache_len, self.model.dtype)
     last_hidden_BE = jnp.zeros((B, self.cfg.model.hidden_size), self.model.dtype)
-    step_len = min(chunk, padded)
     key = jax.random.key(sc.seed)
     history = jnp.asarray(history_BS)
 
