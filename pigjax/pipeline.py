@@ -32,16 +32,37 @@ def make_backend(cfg: Config):
   raise ValueError(f"Unknown attention.kind {cfg.attention.kind!r}; use 'dense' or 'magicpig'.")
 
 
+def _gguf_path(spec: str) -> Path | None:
+  if spec == "smollm2":
+    return weights.smollm2_gguf_path()
+  path = Path(spec).expanduser()
+  return path if path.is_file() else None
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
   """The tokenizer that belongs to a checkpoint spec (see `weights.load_checkpoint`)."""
-  if spec == "smollm2":
-    return Tokenizer.from_gguf(weights.smollm2_gguf_path())
+  gguf_path = _gguf_path(spec)
+  if gguf_path is not None:
+    return Tokenizer.from_gguf(gguf_path)
   path = Path(spec).expanduser()
   if not path.exists():
     raise FileNotFoundError(f"Checkpoint {spec!r} does not exist.")
-  if path.is_file():
-    return Tokenizer.from_gguf(path)
   return Tokenizer.from_hf_dir(path)  # HF directories and Orbax checkpoints written by pigjax
+
+
+def load_model_and_tokenizer(spec: str, progress: bool = True):
+  """(ModelConfig, HF-named tensors, Tokenizer); a GGUF's header is parsed once for both."""
+  gguf_path = _gguf_path(spec)
+  if gguf_path is not None and gguf_path.suffix == ".gguf":
+    import gguf
+    try:
+      reader = gguf.GGUFReader(gguf_path)
+    except Exception as e:
+      raise ValueError(f"{gguf_path} is not a readable GGUF file ({e}).") from e
+    return (*weights.load_gguf(reader, progress=progress), Tokenizer.from_gguf(reader))
+  tokenizer = load_tokenizer(spec)
+  model_cfg, tensors, _ = weights.load_checkpoint(spec, progress=progress)
+  return model_cfg, tensors, tokenizer
 
 
 def validate(cfg: Config) -> None:
@@ -70,8 +91,7 @@ class Pipeline:
   def load(cls, cfg: Config, progress: bool = True) -> Pipeline:
     validate(cfg)
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.checkpoint)
-    model_cfg, tensors, _ = weights.load_checkpoint(cfg.checkpoint, progress=progress)
+    model_cfg, tensors, tokenizer = load_model_and_tokenizer(cfg.checkpoint, progress)
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model = from_hf_tensors(model_cfg, tensors, dtype=_DTYPES[cfg.dtype])
     del tensors

@@ -247,6 +247,19 @@ class Tokenizer:
         extra_eos_ids=[gen_eos] if isinstance(gen_eos, int) else gen_eos,
     )
 
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes tokenizer.json + tokenizer_config.json that `from_hf_dir` reads back."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+              "pad_token": self.pad_token, "chat_template": self.chat_template}
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if v is not None}, indent=1) + "\n")
+    extra = [i for i in self.eos_ids if i != self.token_to_id(self.eos_token or "")]
+    if extra:
+      (path / "generation_config.json").write_text(json.dumps({"eos_token_id": extra}) + "\n")
+
   # ---- use ----------------------------------------------------------------------------------
 
   @property

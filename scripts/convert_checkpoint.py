@@ -10,6 +10,7 @@ import time
 from absl import app, flags, logging
 
 from pigjax import weights
+from pigjax.pipeline import load_tokenizer
 
 _INPUT = flags.DEFINE_string("input", "smollm2", "'smollm2', a .gguf file or an HF Llama dir.")
 _OUTPUT = flags.DEFINE_string("output", None, "Orbax checkpoint directory to write.", required=True)
@@ -25,6 +26,7 @@ def main(argv):
   cfg, tensors, kind = weights.load_checkpoint(_INPUT.value, _DTYPE.value)
   loaded = time.perf_counter()
   path = weights.save_orbax(_OUTPUT.value, cfg, tensors, overwrite=_OVERWRITE.value)
+  load_tokenizer(_INPUT.value).save(path)  # so the Orbax directory is self-contained
   done = time.perf_counter()
   num_params = sum(t.size for t in tensors.values())
   print(f"Read {_INPUT.value} ({kind}): {len(tensors)} tensors, {num_params / 1e6:.1f}M "

@@ -78,6 +78,7 @@ def write_tiny_llama(directory, *, num_layers=2, hidden=64, heads=4, kv_heads=2,
       "torch_dtype": dtype,
   } | (config_overrides or {})
   (directory / "config.json").write_text(json.dumps(config, indent=1))
+  write_tiny_tokenizer(directory)
 
   names = list(tensors)
   if shards <= 1:
@@ -94,3 +95,25 @@ def write_tiny_llama(directory, *, num_layers=2, hidden=64, heads=4, kv_heads=2,
            "weight_map": weight_map}
   (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
   return tensors
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_tokenizer(directory) -> None:
+  """A byte-level BPE over the 256 bytes (no merges) with ChatML specials at ids 0-2 shifted to
+  256-258, plus tokenizer_config.json with a ChatML template: fits vocab >= 259."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  from tokenizers.pre_tokenizers import ByteLevel
+
+  alphabet = sorted(ByteLevel.alphabet())
+  vocab = {ch: i for i, ch in enumerate(alphabet)}
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+  directory = Path(directory)
+  tok.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps({
+      "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
