@@ -1,9 +1,17 @@
 // XLA FFI bindings of pigjax's host kernels, exported to Python with nanobind.
-// The kernels themselves live in headers free of XLA and nanobind includes.
+// The kernels themselves live in headers free of XLA and nanobind includes (store.h, kernels.h).
+#include <array>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
 
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/store.h"
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
@@ -12,7 +20,7 @@ namespace ffi = xla::ffi;
 static ffi::Error ScaleImpl(ffi::BufferR1<ffi::F32> x, float scale,
                             ffi::ResultBufferR1<ffi::F32> y) {
   const int64_t n = x.element_count();
-  if (y->element_count() != n) {
+  if (static_cast<int64_t>(y->element_count()) != n) {
     return ffi::Error::InvalidArgument("scale: output size differs from input size");
   }
   const float* in = x.typed_data();
@@ -27,15 +35,255 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
                                   .Attr<float>("scale")
                                   .Ret<ffi::BufferR1<ffi::F32>>());
 
+// ---------------------------------------------------------------------------------------------
+// Host KV store handlers. Operands are AnyBuffer so every rank/dtype problem gets a message that
+// names the operand, rather than a generic decoding error.
+
+namespace {
+
+using pigjax::Str;
+
+// Shape of `b` into `out` if it has rank N, else an error message.
+template <size_t N>
+std::string Shape(const char* fn, const char* name, const ffi::AnyBuffer& b,
+                  std::array<int64_t, N>* out) {
+  auto dims = b.dimensions();
+  if (dims.size() != N) {
+    return Str(fn, ": ", name, " must have rank ", N, ", got rank ", dims.size(), ".");
+  }
+  for (size_t i = 0; i < N; ++i) (*out)[i] = dims[i];
+  return "";
+}
+
+std::string NeedDtype(const char* fn, const char* name, const ffi::AnyBuffer& b,
+                      ffi::DataType want) {
+  if (b.element_type() == want) return "";
+  return Str(fn, ": ", name, " must be ", want, ", got ", b.element_type(), ".");
+}
+
+// float32 or bfloat16 operand.
+std::string FloatDtype(const char* fn, const char* name, const ffi::AnyBuffer& b,
+                       pigjax::DType* out) {
+  if (b.element_type() == ffi::DataType::F32) {
+    *out = pigjax::DType::kF32;
+  } else if (b.element_type() == ffi::DataType::BF16) {
+    *out = pigjax::DType::kBf16;
+  } else {
+    return Str(fn, ": ", name, " must be float32 or bfloat16, got ", b.element_type(), ".");
+  }
+  return "";
+}
+
+// The store behind an int32 scalar handle operand.
+std::string FindStore(const char* fn, const ffi::AnyBuffer& handle,
+                      std::shared_ptr<pigjax::Store>* out) {
+  if (handle.element_type() != ffi::DataType::S32 || handle.element_count() != 1) {
+    return Str(fn, ": the store handle must be an int32 scalar, got ", handle.element_type(),
+               " with ", handle.element_count(), " elements.");
+  }
+  const int32_t h = *static_cast<const int32_t*>(handle.untyped_data());
+  *out = pigjax::Registry::Get().Find(h);
+  return *out ? "" : pigjax::UnknownHandle(fn, h);
+}
+
+#define PIGJAX_RETURN_IF_ERROR(expr)                                        \
+  do {                                                                      \
+    std::string _msg = (expr);                                              \
+    if (!_msg.empty()) return ffi::Error::InvalidArgument(std::move(_msg)); \
+  } while (0)
+
+ffi::Error StoreInsertImpl(ffi::AnyBuffer handle, ffi::AnyBuffer slots, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::AnyBuffer codes, ffi::AnyBuffer lengths,
+                           ffi::AnyBuffer mu, int32_t layer, ffi::Result<ffi::AnyBuffer> sizes) {
+  constexpr const char* fn = "store_insert";
+  std::shared_ptr<pigjax::Store> store;
+  PIGJAX_RETURN_IF_ERROR(FindStore(fn, handle, &store));
+  pigjax::InsertArgs a;
+  std::array<int64_t, 1> s1;
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "slots", slots, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "slots", slots, &s1));
+  a.slots_size = s1[0];
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "lengths", lengths, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "lengths", lengths, &s1));
+  a.lengths_size = s1[0];
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "result", *sizes, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "result", *sizes, &s1));
+  a.new_sizes_size = s1[0];
+  PIGJAX_RETURN_IF_ERROR(FloatDtype(fn, "k", k, &a.k_dtype));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "k", k, &a.k_shape));
+  PIGJAX_RETURN_IF_ERROR(FloatDtype(fn, "v", v, &a.v_dtype));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "v", v, &a.v_shape));
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "codes", codes, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "codes", codes, &a.codes_shape));
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "mu", mu, ffi::DataType::F32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "mu", mu, &a.mu_shape));
+  a.layer = layer;
+  a.slots = static_cast<const int32_t*>(slots.untyped_data());
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.codes = static_cast<const int32_t*>(codes.untyped_data());
+  a.lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  a.mu = static_cast<const float*>(mu.untyped_data());
+  a.new_sizes = static_cast<int32_t*>(sizes->untyped_data());
+  PIGJAX_RETURN_IF_ERROR(store->Insert(a));
+  return ffi::Error::Success();
+}
+
+ffi::Error StoreAttendImpl(ffi::AnyBuffer handle, ffi::AnyBuffer slots, ffi::AnyBuffer q,
+                           ffi::AnyBuffer codes, ffi::AnyBuffer /*dep*/, int32_t layer,
+                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                           ffi::Result<ffi::AnyBuffer> count) {
+  constexpr const char* fn = "store_attend";
+  std::shared_ptr<pigjax::Store> store;
+  PIGJAX_RETURN_IF_ERROR(FindStore(fn, handle, &store));
+  pigjax::AttendArgs a;
+  std::array<int64_t, 1> s1;
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "slots", slots, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "slots", slots, &s1));
+  a.slots_size = s1[0];
+  PIGJAX_RETURN_IF_ERROR(FloatDtype(fn, "q", q, &a.q_dtype));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "q", q, &a.q_shape));
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "q_codes", codes, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "q_codes", codes, &a.codes_shape));
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "o", *o, ffi::DataType::F32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "o", *o, &a.o_shape));
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "lse", *lse, ffi::DataType::F32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "lse", *lse, &a.lse_shape));
+  PIGJAX_RETURN_IF_ERROR(NeedDtype(fn, "count", *count, ffi::DataType::S32));
+  PIGJAX_RETURN_IF_ERROR(Shape(fn, "count", *count, &a.count_shape));
+  a.layer = layer;
+  a.slots = static_cast<const int32_t*>(slots.untyped_data());
+  a.q = q.untyped_data();
+  a.codes = static_cast<const int32_t*>(codes.untyped_data());
+  a.o = static_cast<float*>(o->untyped_data());
+  a.lse = static_cast<float*>(lse->untyped_data());
+  a.count = static_cast<int32_t*>(count->untyped_data());
+  PIGJAX_RETURN_IF_ERROR(store->Attend(a));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StoreInsert, StoreInsertImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // handle: int32[]
+                                  .Arg<ffi::AnyBuffer>()  // slots: int32[B]
+                                  .Arg<ffi::AnyBuffer>()  // k: [B, Hkv, T, D]
+                                  .Arg<ffi::AnyBuffer>()  // v: [B, Hkv, T, D]
+                                  .Arg<ffi::AnyBuffer>()  // codes: int32[B, Hkv, T, L]
+                                  .Arg<ffi::AnyBuffer>()  // lengths: int32[B]
+                                  .Arg<ffi::AnyBuffer>()  // mu: f32[B, Hkv, D]
+                                  .Attr<int32_t>("layer")
+                                  .Ret<ffi::AnyBuffer>());  // new pool sizes: int32[B]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StoreAttend, StoreAttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // handle: int32[]
+                                  .Arg<ffi::AnyBuffer>()  // slots: int32[B]
+                                  .Arg<ffi::AnyBuffer>()  // q: [B, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()  // q_codes: int32[B, Hq, L]
+                                  .Arg<ffi::AnyBuffer>()  // dep: orders this after an insert
+                                  .Attr<int32_t>("layer")
+                                  .Ret<ffi::AnyBuffer>()    // o: f32[B, Hq, D]
+                                  .Ret<ffi::AnyBuffer>()    // lse: f32[B, Hq]
+                                  .Ret<ffi::AnyBuffer>());  // count: int32[B, Hq]
+
+// ---------------------------------------------------------------------------------------------
+// Python module: FFI capsules plus the store's lifetime and bookkeeping functions.
+
 template <typename T>
 static nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_heads,
+                                      int head_dim, int num_bits, int num_tables,
+                                      int64_t capacity, const std::string& dtype, int threads) {
+  pigjax::StoreConfig c;
+  c.num_layers = num_layers;
+  c.num_slots = num_slots;
+  c.num_kv_heads = num_kv_heads;
+  c.head_dim = head_dim;
+  c.num_bits = num_bits;
+  c.num_tables = num_tables;
+  c.capacity = capacity;
+  c.threads = threads;
+  if (dtype == "bfloat16") {
+    c.dtype = pigjax::DType::kBf16;
+  } else if (dtype == "float32") {
+    c.dtype = pigjax::DType::kF32;
+  } else {
+    throw std::invalid_argument("store dtype must be 'bfloat16' or 'float32', got '" + dtype +
+                                "'.");
+  }
+  if (auto e = pigjax::CheckConfig(c); !e.empty()) throw std::invalid_argument(e);
+  return c;
+}
+
+static std::shared_ptr<pigjax::Store> GetStore(int64_t handle, const char* fn) {
+  auto s = pigjax::Registry::Get().Find(handle);
+  if (!s) throw std::invalid_argument(pigjax::UnknownHandle(fn, handle));
+  return s;
+}
+
+static void Check(const std::string& e) {
+  if (!e.empty()) throw std::invalid_argument(e);
 }
 
 NB_MODULE(_pigjax_ffi, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["pigjax_scale"] = EncapsulateFfiHandler(Scale);
+    d["pigjax_insert"] = EncapsulateFfiHandler(StoreInsert);
+    d["pigjax_attend"] = EncapsulateFfiHandler(StoreAttend);
     return d;
   });
+  m.def("store_estimate_bytes",
+        [](int num_layers, int num_slots, int num_kv_heads, int head_dim, int num_bits,
+           int num_tables, int64_t capacity, const std::string& dtype, int threads) {
+          return pigjax::EstimateBytes(MakeConfig(num_layers, num_slots, num_kv_heads, head_dim,
+                                                  num_bits, num_tables, capacity, dtype,
+                                                  threads));
+        });
+  m.def("store_create",
+        [](int num_layers, int num_slots, int num_kv_heads, int head_dim, int num_bits,
+           int num_tables, int64_t capacity, const std::string& dtype, int threads) {
+          auto c = MakeConfig(num_layers, num_slots, num_kv_heads, head_dim, num_bits,
+                              num_tables, capacity, dtype, threads);
+          return pigjax::Registry::Get().Add(std::make_shared<pigjax::Store>(c));
+        });
+  m.def("store_free", [](int64_t h) { return pigjax::Registry::Get().Remove(h); });
+  m.def("store_reset", [](int64_t h, int64_t slot) {
+    auto s = GetStore(h, "store_reset");
+    Check(s->CheckSlot(slot));
+    nb::gil_scoped_release release;
+    s->Reset(static_cast<int>(slot));
+  });
+  m.def("store_num_tokens", [](int64_t h, int64_t layer, int64_t slot) {
+    auto s = GetStore(h, "store_num_tokens");
+    Check(s->CheckLayer(layer));
+    Check(s->CheckSlot(slot));
+    nb::gil_scoped_release release;
+    return s->NumTokens(static_cast<int>(layer), static_cast<int>(slot));
+  });
+  m.def("store_memory_bytes", [](int64_t h) {
+    auto s = GetStore(h, "store_memory_bytes");
+    nb::gil_scoped_release release;
+    return s->MemoryBytes();
+  });
+  // The kernel's log u(cos) (interpolated table), for tests against pigjax/lsh.py.
+  m.def("log_collision_prob", [](const std::vector<float>& cos, int num_bits, int num_tables) {
+    pigjax::StoreConfig c;
+    c.num_layers = c.num_slots = c.num_kv_heads = c.head_dim = 1;
+    c.capacity = 1;
+    c.num_bits = num_bits;
+    c.num_tables = num_tables;
+    Check(pigjax::CheckConfig(c));
+    const pigjax::LogCollisionTable table(num_bits, num_tables);
+    std::vector<float> out(cos.size());
+    for (size_t i = 0; i < cos.size(); ++i) out[i] = table(cos[i]);
+    return out;
+  });
+  m.def("store_num_threads", [](int64_t h) { return GetStore(h, "store_num_threads")->num_threads(); });
+  m.def("store_isa", [](int64_t h) { return std::string(GetStore(h, "store_isa")->isa()); });
 }

@@ -1,0 +1,228 @@
+"""MagicPIG decoding: exact attention over sink + window + generated tokens on the device, LSH-sampled
+attention over the pool in the host KV store (DESIGN.md sections 1 and 2).
+
+Prefill is dense (every layer keeps a full cache while the prompt is read). `after_prefill` then,
+for every sparse layer, centres and hashes the pool keys in JAX and hands them to the host store
+with the FFI `insert`, and keeps only the exact tokens on the device. Each decode step hashes the
+query, calls the FFI `attend` per sparse layer, runs exact attention over the exact buffer and
+merges the two by log-sum-exp, all inside the one jitted step. When the generated-token buffer
+fills, its older half is hashed (with the pool's mean key) and appended to the pool, so device
+memory and step time stay bounded in long generations.
+
+Shape key:
+  B batch   T tokens in this call   S dense cache positions   X exact-buffer entries
+  H query heads   K kv heads   D head dim   L hash tables   P pool tokens of this call
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pigjax import attention, lsh
+from pigjax.config import Config
+from pigjax.store import HostKVStore, store_attend, store_insert
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MagicPigCache:
+  k: tuple  # per layer: dense [B, K, S, D]; sparse: exact buffer [B, K, X, D]
+  v: tuple
+  lengths_B: jax.Array  # int32 tokens seen per slot (prompt + generated)
+  exact_pos_BX: jax.Array  # int32 position of each exact-buffer entry, -1 if empty
+  gen_count: jax.Array  # int32 scalar: generated tokens currently in the exact buffer
+  mu: tuple  # per layer: sparse [B, K, D] pool mean key; dense None
+  w: tuple  # per layer: sparse SimHash matrix [D, num_bits * num_tables]; dense None
+  pool_len_B: jax.Array  # int32 pool tokens per slot (FFI insert's output: orders attends)
+  handle: jax.Array  # int32 scalar: the host store
+  cand_total: jax.Array  # f32: candidates attended, summed over steps, sparse layers, heads
+  pool_total: jax.Array  # f32: pool tokens available, summed likewise
+
+
+class MagicPigBackend:
+  """Attention backend for `pigjax.engine.Engine` with a host-resident, LSH-indexed pool."""
+
+  def __init__(self, cfg: Config):
+    a, m = cfg.attention, cfg.model
+    bad = [l for l in a.dense_layers if not 0 <= l < m.num_layers]
+    if bad:
+      raise ValueError(f"attention.dense_layers {bad} out of range for a {m.num_layers}-layer "
+                       "model.")
+    if a.sink < 0 or a.window < 0 or a.generated_buffer < 2:
+      raise ValueError(f"Need sink >= 0, window >= 0, generated_buffer >= 2; got sink={a.sink}, "
+                       f"window={a.window}, generated_buffer={a.generated_buffer}.")
+    if not 1 <= a.num_bits <= 16 or a.num_tables < 2:
+      raise ValueError(f"Need 1 <= num_bits <= 16 and num_tables >= 2; got num_bits={a.num_bits}, "
+                       f"num_tables={a.num_tables}.")
+    self.cfg = cfg
+    self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
+    self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
+    self.store: HostKVStore | None = None
+    self._jitted: dict[str, Any] = {}
+
+  # -- cache lifecycle ----------------------------------------------------------------------
+
+  def create_cache(self, batch: int, max_len: int, dtype) -> attention.DenseCache:
+    """Prefill runs densely; the store is (re)sized here for this batch and length."""
+    m = self.cfg.model
+    a = self.cfg.attention
+    if self.sparse_layers:
+      s = self.store
+      if s is None or s.num_slots < batch or s.capacity < max_len:
+        if s is not None:
+          s.close()
+        self.store = HostKVStore(
+            num_layers=len(self.sparse_layers), num_slots=batch, num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=max_len,
+            dtype=a.store_dtype, threads=a.threads)
+      for slot in range(batch):
+        self.store.reset(slot)
+    return attention.DenseCache.create(m.num_layers, batch, m.num_kv_heads, max_len, m.head_dim,
+                                       dtype)
+
+  def after_prefill(self, cache: attention.DenseCache, lengths_B: np.ndarray) -> MagicPigCache:
+    if "prefill" not in self._jitted:
+      self._jitted["prefill"] = jax.jit(self._split_prefill, donate_argnums=(0,))
+    handle = self.store.handle if self.store is not None else -1
+    with warnings.catch_warnings():
+      # Donation lets dense layers keep their caches in place; the sparse layers' full caches are
+      # freed rather than reused, which jax reports as "not usable".
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      return self._jitted["prefill"](cache, jnp.int32(handle))
+
+  def after_step(self, cache: MagicPigCache) -> MagicPigCache:
+    """Between decode steps: move the older half of a full generated buffer into the pool."""
+    if int(cache.gen_count) < self.cfg.attention.generated_buffer:
+      return cache
+    if "evict" not in self._jitted:
+      self._jitted["evict"] = jax.jit(self._evict, donate_argnums=(0,))
+    return self._jitted["evict"](cache)
+
+  def stats(self, cache) -> dict:
+    if not isinstance(cache, MagicPigCache) or float(cache.pool_total) == 0:
+      return {"pool_fraction": 0.0}
+    return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total)}
+
+  # -- attention ----------------------------------------------------------------------------
+
+  prefill_attend = staticmethod(attention.dense_attend)
+
+  def decode_attend(self, layer: int, q_BTHD, k_BTKD, v_BTKD, cache: MagicPigCache):
+    if layer not in self.store_index:
+      return attention.dense_attend(layer, q_BTHD, k_BTKD, v_BTKD, cache)
+    a = self.cfg.attention
+    B, _, H, D = q_BTHD.shape
+    x_new = a.sink + a.window + cache.gen_count
+    k = _write_at(cache.k[layer], k_BTKD, x_new)
+    v = _write_at(cache.v[layer], v_BTKD, x_new)
+    exact_pos_BX = cache.exact_pos_BX.at[:, x_new].set(cache.lengths_B)
+    o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k, v, (exact_pos_BX >= 0)[:, None])
+
+    q_BHD = q_BTHD[:, 0]
+    qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
+    o_pool_BHD, lse_pool_BH, count_BH = store_attend(
+        cache.handle, self.store_index[layer], jnp.arange(B, dtype=jnp.int32), q_BHD, qcodes_BHL,
+        cache.pool_len_B)
+    o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
+    cache = dataclasses.replace(
+        cache, k=attention.replace_at(cache.k, layer, k), v=attention.replace_at(cache.v, layer, v),
+        exact_pos_BX=exact_pos_BX,
+        cand_total=cache.cand_total + jnp.sum(count_BH, dtype=jnp.float32),
+        pool_total=cache.pool_total + H * jnp.sum(cache.pool_len_B, dtype=jnp.float32))
+    # gen_count advances once per step, after the last sparse layer.
+    if layer == self.sparse_layers[-1]:
+      cache = dataclasses.replace(cache, gen_count=cache.gen_count + 1)
+    return o_BHD[:, None].astype(q_BTHD.dtype), cache
+
+  # -- jitted host-store maintenance --------------------------------------------------------
+
+  def _split_prefill(self, dense: attention.DenseCache, handle) -> MagicPigCache:
+    """Keeps exact tokens on the device and inserts each sparse layer's pool into the store."""
+    a, m = self.cfg.attention, self.cfg.model
+    B = dense.lengths_B.shape[0]
+    n_B = dense.lengths_B
+    exact = a.sink + a.window
+    X = exact + a.generated_buffer
+    # Exact-buffer entry j < sink + window holds prompt position pos[b, j].
+    j = jnp.arange(exact)
+    short_B1 = (n_B <= exact)[:, None]
+    pos_BJ = jnp.where(short_B1, j[None], jnp.where(j[None] < a.sink, j[None],
+                                                    n_B[:, None] - a.window + (j[None] - a.sink)))
+    valid_BJ = pos_BJ < n_B[:, None]
+    pos_BJ = jnp.where(valid_BJ, pos_BJ, -1)
+    exact_pos_BX = jnp.concatenate([pos_BJ, jnp.full((B, a.generated_buffer), -1, jnp.int32)], 1)
+    # Pool: prompt positions [sink, n - window) when the prompt is longer than sink + window.
+    pool_len_B = jnp.where(short_B1[:, 0], 0, n_B - exact).astype(jnp.int32)
+    S = dense.max_len
+    P = max(S - exact, 1)
+    pool_idx_P = jnp.arange(P) + a.sink
+    pool_valid_BP = jnp.arange(P)[None] < pool_len_B[:, None]
+
+    k, v, mu, w = [], [], [], []
+    out_len_B = jnp.zeros((B,), jnp.int32)
+    for layer in range(m.num_layers):
+      if layer not in self.store_index:
+        k.append(dense.k[layer]), v.append(dense.v[layer]), mu.append(None), w.append(None)
+        continue
+      k_BKSD, v_BKSD = dense.k[layer], dense.v[layer]
+      gather = lambda x_BKSD, idx_BJ: jnp.take_along_axis(
+          x_BKSD, jnp.maximum(idx_BJ, 0)[:, None, :, None], axis=2)
+      pad = ((0, 0), (0, 0), (0, a.generated_buffer), (0, 0))
+      k.append(jnp.pad(gather(k_BKSD, pos_BJ), pad))
+      v.append(jnp.pad(gather(v_BKSD, pos_BJ), pad))
+      w_l = lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
+                               a.per_layer_hash)
+      kp_BKPD = jnp.take(k_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
+      vp_BKPD = jnp.take(v_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
+      valid_BKP = jnp.broadcast_to(pool_valid_BP[:, None], kp_BKPD.shape[:3])
+      mu_BKD, codes_BKPL = lsh.centre_and_hash(kp_BKPD, valid_BKP, w_l, a.num_bits, a.num_tables)
+      # Every insert feeds pool_len_B, which every later attend takes as its ordering operand.
+      out_len_B = jnp.maximum(out_len_B, store_insert(
+          handle, self.store_index[layer], jnp.arange(B, dtype=jnp.int32), kp_BKPD, vp_BKPD,
+          codes_BKPL, pool_len_B, mu_BKD))
+      mu.append(mu_BKD), w.append(w_l)
+    return MagicPigCache(
+        k=tuple(k), v=tuple(v), lengths_B=n_B, exact_pos_BX=exact_pos_BX,
+        gen_count=jnp.int32(0), mu=tuple(mu), w=tuple(w), pool_len_B=out_len_B,
+        handle=handle, cand_total=jnp.float32(0), pool_total=jnp.float32(0))
+
+  def _evict(self, cache: MagicPigCache) -> MagicPigCache:
+    """Hashes the oldest half of the generated buffer into the pool and shifts the rest down."""
+    a = self.cfg.attention
+    exact, E = a.sink + a.window, a.generated_buffer // 2
+    B = cache.lengths_B.shape[0]
+    keep = a.generated_buffer - E
+    k, v = list(cache.k), list(cache.v)
+    out_len_B = cache.pool_len_B
+    for layer, idx in self.store_index.items():
+      old_k = k[layer][:, :, exact:exact + E]
+      old_v = v[layer][:, :, exact:exact + E]
+      codes = lsh.hash_codes(old_k.astype(jnp.float32) - cache.mu[layer][:, :, None],
+                             cache.w[layer], a.num_bits, a.num_tables)
+      out_len_B = jnp.maximum(out_len_B, store_insert(
+          cache.handle, idx, jnp.arange(B, dtype=jnp.int32), old_k, old_v, codes,
+          jnp.full((B,), E, jnp.int32), cache.mu[layer]))
+      k[layer] = _shift_generated(k[layer], exact, E, keep)
+      v[layer] = _shift_generated(v[layer], exact, E, keep)
+    pos = cache.exact_pos_BX
+    pos = jnp.concatenate([pos[:, :exact], pos[:, exact + E:], jnp.full((B, E), -1, jnp.int32)], 1)
+    return dataclasses.replace(cache, k=tuple(k), v=tuple(v), exact_pos_BX=pos,
+                               gen_count=cache.gen_count - E, pool_len_B=out_len_B)
+
+
+def _shift_generated(x_BKXD, exact: int, evicted: int, keep: int):
+  tail = jnp.zeros_like(x_BKXD[:, :, :evicted])
+  return jnp.concatenate([x_BKXD[:, :, :exact], x_BKXD[:, :, exact + evicted:exact + evicted + keep],
+                          tail], axis=2)
+
+
+def _write_at(cache_BKXD, new_BTKD, index):
+  """Writes one token's keys/values at the same exact-buffer index for every slot."""
+  return jax.lax.dynamic_update_slice(cache_BKXD, jnp.swapaxes(new_BTKD, 1, 2).astype(
+      cache_BKXD.dtype), (0, 0, index, 0))

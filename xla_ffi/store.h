@@ -1,0 +1,539 @@
+// The host KV store: MagicPIG's pool of sampled tokens, with its LSH tables, for every sparse
+// layer, batch slot and KV head (DESIGN.md sections 1 and 2).
+//
+// Pure C++: no XLA, no nanobind, so a CPU and a (future) CUDA FFI registration share it. Errors
+// are returned as message strings (empty = success); nothing here reads out of range for any
+// operand, because every index is checked before any work starts.
+#ifndef PIGJAX_XLA_FFI_STORE_H_
+#define PIGJAX_XLA_FFI_STORE_H_
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla_ffi/kernels.h"
+#include "xla_ffi/thread_pool.h"
+
+namespace pigjax {
+
+enum class DType { kF32, kBf16 };
+
+inline const char* DTypeName(DType t) { return t == DType::kF32 ? "float32" : "bfloat16"; }
+inline int64_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+template <typename... Args>
+std::string Str(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+template <size_t N>
+std::string ShapeStr(const std::array<int64_t, N>& s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < N; ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+struct StoreConfig {
+  int num_layers = 0;    // sparse layers
+  int num_slots = 0;     // batch slots
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int num_bits = 0;      // K
+  int num_tables = 0;    // L
+  int64_t capacity = 0;  // max pool tokens per (layer, slot)
+  DType dtype = DType::kBf16;
+  int threads = 0;       // 0 = std::thread::hardware_concurrency()
+};
+
+inline int ResolveThreads(int threads) {
+  if (threads > 0) return threads;
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Empty string if the configuration is usable, else a sentence saying what is wrong.
+inline std::string CheckConfig(const StoreConfig& c) {
+  if (c.num_layers < 1) return Str("num_layers must be >= 1, got ", c.num_layers, ".");
+  if (c.num_slots < 1) return Str("num_slots must be >= 1, got ", c.num_slots, ".");
+  if (c.num_kv_heads < 1) return Str("num_kv_heads must be >= 1, got ", c.num_kv_heads, ".");
+  if (c.head_dim < 1) return Str("head_dim must be >= 1, got ", c.head_dim, ".");
+  if (c.num_bits < 1 || c.num_bits > 24) {
+    return Str("num_bits must be in [1, 24] (tables have 2^num_bits buckets), got ", c.num_bits,
+               ".");
+  }
+  if (c.num_tables < 2) {
+    return Str("num_tables must be >= 2 (a candidate collides in at least 2 tables), got ",
+               c.num_tables, ".");
+  }
+  if (c.capacity < 1 || c.capacity > int64_t{0x7fffffff}) {
+    return Str("capacity must be in [1, 2^31 - 1] tokens, got ", c.capacity, ".");
+  }
+  if (c.threads < 0) return Str("threads must be >= 0 (0 = all hardware threads), got ", c.threads);
+  return "";
+}
+
+// Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
+inline uint64_t ScratchBytes(const StoreConfig& c) {
+  return uint64_t(c.capacity) * 12 + uint64_t(c.head_dim) * 4 +
+         ((uint64_t{1} << c.num_bits) + 1) * 4;
+}
+
+// Worst case: every (layer, slot) pool full.
+inline uint64_t EstimateBytes(const StoreConfig& c) {
+  const uint64_t cap = c.capacity, d = c.head_dim, tables = c.num_tables;
+  const uint64_t buckets = (uint64_t{1} << c.num_bits) + 1;
+  const uint64_t per_head = 2 * cap * d * DTypeSize(c.dtype)  // K, V
+                            + cap * 4                         // |k~| (f32)
+                            + d * 4                           // mu (f32)
+                            + tables * (buckets * 4 + cap * 4);  // CSR offsets and ids
+  return per_head * c.num_layers * c.num_slots * c.num_kv_heads +
+         ScratchBytes(c) * ResolveThreads(c.threads);
+}
+
+// One (layer, slot, kv head) pool. Buffers grow geometrically up to the capacity.
+struct HeadPool {
+  int64_t n = 0;
+  std::vector<char> k, v;                 // [n, D] of the store dtype
+  std::vector<float> norms;               // [n]: |k_i - mu|, from the stored keys
+  std::vector<float> mu;                  // [D]
+  std::vector<int32_t> offsets;           // [L, 2^K + 1]: bucket starts per table
+  std::vector<std::vector<int32_t>> ids;  // [L][n]: token ids sorted by bucket per table
+
+  uint64_t Bytes() const {
+    uint64_t b = k.capacity() + v.capacity() + 4 * (norms.capacity() + mu.capacity() +
+                                                    offsets.capacity());
+    for (const auto& t : ids) b += 4 * t.capacity();
+    return b;
+  }
+  void Clear() { *this = HeadPool(); }
+};
+
+template <typename V>
+void GrowTo(V& vec, size_t need, size_t limit) {
+  if (need > vec.capacity()) vec.reserve(std::min(limit, std::max(need, 2 * vec.capacity())));
+  vec.resize(need);
+}
+
+// Operands of an insert. Shapes are as received, validated by Store::Insert.
+struct InsertArgs {
+  int64_t layer = 0;
+  const int32_t* slots = nullptr;  // [B]
+  int64_t slots_size = 0;
+  const void* k = nullptr;  // [B, Hkv, T, D]
+  const void* v = nullptr;
+  DType k_dtype = DType::kF32, v_dtype = DType::kF32;
+  std::array<int64_t, 4> k_shape{}, v_shape{};
+  const int32_t* codes = nullptr;  // [B, Hkv, T, L]
+  std::array<int64_t, 4> codes_shape{};
+  const int32_t* lengths = nullptr;  // [B]
+  int64_t lengths_size = 0;
+  const float* mu = nullptr;  // [B, Hkv, D]
+  std::array<int64_t, 3> mu_shape{};
+  int32_t* new_sizes = nullptr;  // [B]
+  int64_t new_sizes_size = 0;
+};
+
+struct AttendArgs {
+  int64_t layer = 0;
+  const int32_t* slots = nullptr;  // [B]
+  int64_t slots_size = 0;
+  const void* q = nullptr;  // [B, Hq, D]
+  DType q_dtype = DType::kF32;
+  std::array<int64_t, 3> q_shape{};
+  const int32_t* codes = nullptr;  // [B, Hq, L]
+  std::array<int64_t, 3> codes_shape{};
+  float* o = nullptr;  // [B, Hq, D]
+  std::array<int64_t, 3> o_shape{};
+  float* lse = nullptr;  // [B, Hq]
+  std::array<int64_t, 2> lse_shape{};
+  int32_t* count = nullptr;  // [B, Hq]
+  std::array<int64_t, 2> count_shape{};
+};
+
+// Below this many (pool token x query head) pairs an attend runs on the calling thread: waking
+// the pool's threads costs tens of microseconds, more than such a call takes on one core.
+constexpr int64_t kMinParallelWork = 32768;
+
+class Store {
+ public:
+  explicit Store(const StoreConfig& c)
+      : cfg_(c),
+        ops_(GetVecOps()),
+        log_u_(c.num_bits, c.num_tables),
+        workers_(ResolveThreads(c.threads)),
+        pools_(size_t(c.num_layers) * c.num_slots * c.num_kv_heads),
+        scratch_(workers_.size()) {
+    for (auto& s : scratch_) s.bucket.resize((size_t{1} << c.num_bits) + 1);
+  }
+
+  const StoreConfig& config() const { return cfg_; }
+  const char* isa() const { return ops_.isa; }
+  int num_threads() const { return workers_.size(); }
+
+  std::string CheckLayer(int64_t layer) const {
+    if (layer < 0 || layer >= cfg_.num_layers) {
+      return Str("layer ", layer, " is out of range: the store has ", cfg_.num_layers,
+                 " sparse layers (0..", cfg_.num_layers - 1, ").");
+    }
+    return "";
+  }
+  std::string CheckSlot(int64_t slot) const {
+    if (slot < 0 || slot >= cfg_.num_slots) {
+      return Str("slot ", slot, " is out of range: the store has ", cfg_.num_slots, " slots (0..",
+                 cfg_.num_slots - 1, ").");
+    }
+    return "";
+  }
+
+  // Empties `slot` in every layer and frees its memory. The caller checks the slot.
+  void Reset(int slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int l = 0; l < cfg_.num_layers; ++l) {
+      for (int h = 0; h < cfg_.num_kv_heads; ++h) Pool(l, slot, h).Clear();
+    }
+  }
+
+  int64_t NumTokens(int layer, int slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return Pool(layer, slot, 0).n;
+  }
+
+  uint64_t MemoryBytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t b = 0;
+    for (const auto& p : pools_) b += p.Bytes();
+    for (const auto& s : scratch_) b += s.Bytes();
+    return b;
+  }
+
+  std::string Insert(const InsertArgs& a);
+  std::string Attend(const AttendArgs& a);
+
+ private:
+  struct Scratch {
+    CollisionCounter counter;
+    std::vector<int32_t> cand;
+    std::vector<float> score, q;
+    std::vector<int32_t> bucket;  // [2^K + 1]
+    uint64_t Bytes() const {
+      return 4 * (counter.mark.capacity() + cand.capacity() + score.capacity() + q.capacity() +
+                  bucket.capacity());
+    }
+  };
+
+  HeadPool& Pool(int64_t layer, int64_t slot, int64_t kvh) {
+    return pools_[(size_t(layer) * cfg_.num_slots + slot) * cfg_.num_kv_heads + kvh];
+  }
+  template <typename T>
+  void CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
+  void AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, int t, int64_t n0, int64_t len,
+                     Scratch& s);
+
+  std::mutex mu_;  // one call at a time: calls mutate pools and share the scratch
+  const StoreConfig cfg_;
+  const VecOps& ops_;
+  const LogCollisionTable log_u_;
+  ThreadPool workers_;
+  std::vector<HeadPool> pools_;
+  std::vector<Scratch> scratch_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Insert: append tokens to the pools and extend the tables with a counting sort.
+
+template <typename T>
+void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len) {
+  const int64_t d = cfg_.head_dim, hkv = cfg_.num_kv_heads, tt = a.k_shape[2];
+  const int64_t n0 = p.n, n1 = n0 + len, limit = cfg_.capacity;
+  const size_t es = sizeof(T);
+  GrowTo(p.k, n1 * d * es, limit * d * es);
+  GrowTo(p.v, n1 * d * es, limit * d * es);
+  GrowTo(p.norms, n1, limit);
+  p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
+  if (p.offsets.empty()) {
+    p.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
+    p.ids.resize(cfg_.num_tables);
+  }
+  for (auto& ids : p.ids) GrowTo(ids, n1, limit);  // allocate here so the table pass cannot fail
+
+  T* k = reinterpret_cast<T*>(p.k.data());
+  T* v = reinterpret_cast<T*>(p.v.data());
+  const int64_t src0 = (b * hkv + kvh) * tt * d;
+  for (int64_t j = 0; j < len; ++j) {
+    T* kr = k + (n0 + j) * d;
+    T* vr = v + (n0 + j) * d;
+    for (int64_t e = 0; e < d; ++e) {
+      const int64_t s = src0 + j * d + e;
+      const float kf = a.k_dtype == DType::kF32 ? static_cast<const float*>(a.k)[s]
+                                                : ToF32(static_cast<const bf16*>(a.k)[s]);
+      const float vf = a.v_dtype == DType::kF32 ? static_cast<const float*>(a.v)[s]
+                                                : ToF32(static_cast<const bf16*>(a.v)[s]);
+      kr[e] = FromF32<T>(kf);
+      vr[e] = FromF32<T>(vf);
+    }
+    float nn = 0.f;
+    for (int64_t e = 0; e < d; ++e) {
+      const float c = ToF32(kr[e]) - p.mu[e];
+      nn += c * c;
+    }
+    p.norms[n0 + j] = std::sqrt(nn);
+  }
+}
+
+// Table t of (b, kvh): new offsets = old offsets + running counts of the new codes; old ids of
+// each bucket slide right in place (last bucket first, so nothing is overwritten), then the new
+// ids fill the gaps. Ids stay sorted within each bucket.
+inline void Store::AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, int t, int64_t n0,
+                                 int64_t len, Scratch& s) {
+  HeadPool& p = Pool(a.layer, a.slots[b], kvh);
+  const int64_t nb = int64_t{1} << cfg_.num_bits, tt = a.k_shape[2], nt = cfg_.num_tables;
+  int32_t* off = p.offsets.data() + t * (nb + 1);
+  int32_t* ids = p.ids[t].data();
+  int32_t* cnt = s.bucket.data();
+  std::fill(cnt, cnt + nb + 1, 0);
+  const int32_t* codes = a.codes + (b * cfg_.num_kv_heads + kvh) * tt * nt + t;
+  for (int64_t j = 0; j < len; ++j) ++cnt[codes[j * nt]];
+  // cnt[x] becomes the number of new tokens in buckets < x.
+  int32_t run = 0;
+  for (int64_t x = 0; x <= nb; ++x) {
+    const int32_t c = cnt[x];
+    cnt[x] = run;
+    run += c;
+  }
+  for (int64_t x = nb - 1; x >= 0; --x) {
+    const int32_t old_start = off[x], old_len = off[x + 1] - off[x];
+    if (old_len > 0 && cnt[x] > 0) {
+      std::memmove(ids + old_start + cnt[x], ids + old_start, sizeof(int32_t) * old_len);
+    }
+  }
+  for (int64_t x = 0; x <= nb; ++x) off[x] += cnt[x];
+  // The next free position in bucket x is the end of its old ids: new off[x+1] - new tokens in x.
+  for (int64_t x = 0; x < nb; ++x) cnt[x] = off[x + 1] - (cnt[x + 1] - cnt[x]);
+  for (int64_t j = 0; j < len; ++j) ids[cnt[codes[j * nt]]++] = static_cast<int32_t>(n0 + j);
+}
+
+inline std::string Store::Insert(const InsertArgs& a) {
+  const StoreConfig& c = cfg_;
+  if (auto e = CheckLayer(a.layer); !e.empty()) return "store_insert: " + e;
+  const int64_t bsz = a.slots_size, tt = a.k_shape[2];
+  const std::array<int64_t, 4> want_kv{bsz, c.num_kv_heads, tt, c.head_dim};
+  if (a.k_shape != want_kv) {
+    return Str("store_insert: k has shape ", ShapeStr(a.k_shape), " but expected ",
+               ShapeStr(want_kv), " ([batch, num_kv_heads, tokens, head_dim] of the store).");
+  }
+  if (a.v_shape != a.k_shape) {
+    return Str("store_insert: v has shape ", ShapeStr(a.v_shape), " but k has shape ",
+               ShapeStr(a.k_shape), ".");
+  }
+  const std::array<int64_t, 4> want_codes{bsz, c.num_kv_heads, tt, c.num_tables};
+  if (a.codes_shape != want_codes) {
+    return Str("store_insert: codes has shape ", ShapeStr(a.codes_shape), " but expected ",
+               ShapeStr(want_codes), " ([batch, num_kv_heads, tokens, num_tables]).");
+  }
+  const std::array<int64_t, 3> want_mu{bsz, c.num_kv_heads, c.head_dim};
+  if (a.mu_shape != want_mu) {
+    return Str("store_insert: mu has shape ", ShapeStr(a.mu_shape), " but expected ",
+               ShapeStr(want_mu), ".");
+  }
+  if (a.lengths_size != bsz || a.new_sizes_size != bsz) {
+    return Str("store_insert: lengths has ", a.lengths_size, " entries and the result ",
+               a.new_sizes_size, " but slots has ", bsz, ".");
+  }
+  const int64_t nb = int64_t{1} << c.num_bits;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t b = 0; b < bsz; ++b) {
+    if (auto e = CheckSlot(a.slots[b]); !e.empty()) return Str("store_insert: row ", b, ": ", e);
+    for (int64_t b2 = 0; b2 < b; ++b2) {
+      if (a.slots[b2] == a.slots[b]) {
+        return Str("store_insert: slot ", a.slots[b], " appears twice in slots (rows ", b2,
+                   " and ", b, "); insert each slot at most once per call.");
+      }
+    }
+    const int64_t len = a.lengths[b];
+    if (len < 0 || len > tt) {
+      return Str("store_insert: lengths[", b, "] = ", len, " is outside [0, ", tt, "].");
+    }
+    const int64_t n = Pool(a.layer, a.slots[b], 0).n;
+    if (n + len > c.capacity) {
+      return Str("store_insert: capacity exceeded: layer ", a.layer, " slot ", a.slots[b],
+                 " holds ", n, " tokens and ", len, " more would exceed the capacity of ",
+                 c.capacity, " tokens.");
+    }
+    for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+      const int32_t* codes = a.codes + (b * c.num_kv_heads + h) * tt * c.num_tables;
+      for (int64_t j = 0; j < len * c.num_tables; ++j) {
+        if (codes[j] < 0 || codes[j] >= nb) {
+          return Str("store_insert: code ", codes[j], " (row ", b, ", kv head ", h, ", token ",
+                     j / c.num_tables, ", table ", j % c.num_tables, ") is outside [0, 2^",
+                     c.num_bits, ").");
+        }
+      }
+    }
+  }
+
+  // Pass 1, per (row, kv head): copy K/V, norms, mean; allocate. Pass 2, per table: CSR append.
+  // Pools are only marked longer once both passes succeeded.
+  const int64_t hkv = c.num_kv_heads;
+  std::vector<int64_t> n0(bsz);
+  for (int64_t b = 0; b < bsz; ++b) n0[b] = Pool(a.layer, a.slots[b], 0).n;
+  try {
+    workers_.ParallelFor(bsz * hkv, [&](int64_t i, int) {
+      const int64_t b = i / hkv, h = i % hkv, len = a.lengths[b];
+      if (len == 0) return;
+      HeadPool& p = Pool(a.layer, a.slots[b], h);
+      if (c.dtype == DType::kF32) {
+        CopyTokens<float>(a, b, h, p, len);
+      } else {
+        CopyTokens<bf16>(a, b, h, p, len);
+      }
+    });
+  } catch (const std::bad_alloc&) {
+    return Str("store_insert: out of host memory while growing layer ", a.layer, "'s pools.");
+  }
+  workers_.ParallelFor(bsz * hkv * c.num_tables, [&](int64_t i, int w) {
+    const int64_t b = i / (hkv * c.num_tables), h = (i / c.num_tables) % hkv;
+    const int t = static_cast<int>(i % c.num_tables);
+    if (a.lengths[b] > 0) AppendToTable(a, b, h, t, n0[b], a.lengths[b], scratch_[w]);
+  });
+  for (int64_t b = 0; b < bsz; ++b) {
+    for (int64_t h = 0; h < hkv; ++h) Pool(a.layer, a.slots[b], h).n = n0[b] + a.lengths[b];
+    a.new_sizes[b] = static_cast<int32_t>(n0[b] + a.lengths[b]);
+  }
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attend: candidates by >= 2 collisions, then importance-weighted attention, per (row, q head).
+
+inline std::string Store::Attend(const AttendArgs& a) {
+  const StoreConfig& c = cfg_;
+  if (auto e = CheckLayer(a.layer); !e.empty()) return "store_attend: " + e;
+  const int64_t bsz = a.slots_size, hq = a.q_shape[1], d = c.head_dim;
+  if (a.q_shape[0] != bsz || a.q_shape[2] != d || hq < 1 || hq % c.num_kv_heads != 0) {
+    return Str("store_attend: q has shape ", ShapeStr(a.q_shape), " but expected [", bsz,
+               ", a multiple of ", c.num_kv_heads, " query heads, ", d,
+               "] ([batch, num_q_heads, head_dim]).");
+  }
+  const std::array<int64_t, 3> want_codes{bsz, hq, c.num_tables};
+  if (a.codes_shape != want_codes) {
+    return Str("store_attend: q_codes has shape ", ShapeStr(a.codes_shape), " but expected ",
+               ShapeStr(want_codes), " ([batch, num_q_heads, num_tables]).");
+  }
+  const std::array<int64_t, 2> want_bh{bsz, hq};
+  if (a.o_shape != a.q_shape || a.lse_shape != want_bh || a.count_shape != want_bh) {
+    return "store_attend: result shapes do not match q.";
+  }
+  const int64_t nb = int64_t{1} << c.num_bits;
+  for (int64_t i = 0; i < bsz * hq * c.num_tables; ++i) {
+    if (a.codes[i] < 0 || a.codes[i] >= nb) {
+      return Str("store_attend: query code ", a.codes[i], " (row ", i / (hq * c.num_tables),
+                 ", head ", (i / c.num_tables) % hq, ", table ", i % c.num_tables,
+                 ") is outside [0, 2^", c.num_bits, ").");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t max_n = 0, work = 0;
+  for (int64_t b = 0; b < bsz; ++b) {
+    if (auto e = CheckSlot(a.slots[b]); !e.empty()) return Str("store_attend: row ", b, ": ", e);
+    const int64_t n = Pool(a.layer, a.slots[b], 0).n;
+    max_n = std::max(max_n, n);
+    work += n * hq;
+  }
+  try {
+    for (auto& s : scratch_) {
+      s.counter.Reserve(max_n);
+      if (s.cand.size() < size_t(max_n)) s.cand.resize(max_n);
+      if (s.score.size() < size_t(max_n)) s.score.resize(max_n);
+      s.q.resize(d);
+    }
+  } catch (const std::bad_alloc&) {
+    return "store_attend: out of host memory for the lookup scratch.";
+  }
+
+  const int64_t group = hq / c.num_kv_heads;
+  workers_.ParallelFor(bsz * hq, [&](int64_t i, int w) {
+    const int64_t b = i / hq, h = i % hq;
+    Scratch& s = scratch_[w];
+    HeadPool& p = Pool(a.layer, a.slots[b], h / group);
+    float* o = a.o + i * d;
+    if (p.n == 0) {
+      std::fill(o, o + d, 0.f);
+      a.lse[i] = -std::numeric_limits<float>::infinity();
+      a.count[i] = 0;
+      return;
+    }
+    for (int64_t e = 0; e < d; ++e) {
+      s.q[e] = a.q_dtype == DType::kF32 ? static_cast<const float*>(a.q)[i * d + e]
+                                        : ToF32(static_cast<const bf16*>(a.q)[i * d + e]);
+    }
+    const int64_t count = CollectCandidates(p.offsets.data(), p.ids, a.codes + i * c.num_tables,
+                                            c.num_bits, c.num_tables, s.counter, s.cand.data());
+    const PoolView view{p.k.data(), p.v.data(), p.norms.data(), p.mu.data(), p.n};
+    if (c.dtype == DType::kF32) {
+      SampledAttention<float>(ops_, s.q.data(), d, view, s.cand.data(), count, log_u_,
+                              s.score.data(), o, &a.lse[i]);
+    } else {
+      SampledAttention<bf16>(ops_, s.q.data(), d, view, s.cand.data(), count, log_u_,
+                             s.score.data(), o, &a.lse[i]);
+    }
+    a.count[i] = static_cast<int32_t>(count);
+  }, work < kMinParallelWork);
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handle registry: Python and the FFI handlers refer to stores by an int32 handle.
+
+class Registry {
+ public:
+  static Registry& Get() {
+    static Registry* r = new Registry();  // never destroyed: handlers may run at exit
+    return *r;
+  }
+  int32_t Add(std::shared_ptr<Store> s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int32_t h = next_++;
+    stores_[h] = std::move(s);
+    return h;
+  }
+  // Null if unknown. The shared_ptr keeps the store alive while a call uses it.
+  std::shared_ptr<Store> Find(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stores_.find(handle);
+    return it == stores_.end() ? nullptr : it->second;
+  }
+  bool Remove(int64_t handle) {
+    std::shared_ptr<Store> s;  // destroyed outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = stores_.find(handle);
+    if (it == stores_.end()) return false;
+    s = std::move(it->second);
+    stores_.erase(it);
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<Store>> stores_;
+  int32_t next_ = 1;
+};
+
+inline std::string UnknownHandle(const char* fn, int64_t handle) {
+  return Str(fn, ": unknown store handle ", handle,
+             " (the HostKVStore was closed, or the handle never came from one).");
+}
+
+}  // namespace pigjax
+
+#endif  // PIGJAX_XLA_FFI_STORE_H_
