@@ -28,11 +28,12 @@ class GenerationResult:
   prompt_ids: list[int]
   token_ids: list[int]  # generated tokens (stop token excluded)
   text: str
-  stop_reason: str  # "eos" | "stop_string" | "length"
+  stop_reason: str  # "stop_id" | "stop_string" | "length"
 
 
 @dataclasses.dataclass
 class GenerationStats:
+  batch: int = 1
   prompt_tokens: int = 0  # summed over the batch
   generated_tokens: int = 0
   compile_s: float = 0.0  # tracing + XLA compilation, excluded from the times below
@@ -43,7 +44,7 @@ class GenerationStats:
   @property
   def decode_tokens_per_s(self) -> float:
     """Tokens produced by decode steps per second (each slot's first token comes from prefill)."""
-    decoded = self.generated_tokens - self.extra.get("batch", 1)
+    decoded = self.generated_tokens - self.batch
     return decoded / self.decode_s if self.decode_s > 0 and decoded > 0 else float("nan")
 
 
@@ -132,7 +133,7 @@ class Engine:
           f"Prompt of {max(lengths)} tokens plus max_new_tokens={sc.max_new_tokens} exceeds the "
           f"context limit of {limit} tokens (model max_position={self.cfg.model.max_position}, "
           f"config max_seq_len={self.cfg.max_seq_len}).")
-    stats = GenerationStats(prompt_tokens=sum(lengths), extra={"batch": B})
+    stats = GenerationStats(batch=B, prompt_tokens=sum(lengths))
     chunk = self.cfg.prefill_chunk
     # Shapes are bucketed (powers of two, then multiples of the chunk) so that few distinct
     # programs are compiled across calls.

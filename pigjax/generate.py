@@ -6,7 +6,10 @@ r"""Generate text from the command line.
       --prompt_file long.txt --config.sampling.max_new_tokens=64
 """
 
+import os
 import sys
+
+import jax
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -20,6 +23,9 @@ _PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt text; repeat for a b
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Read the prompt from this file.")
 _CHAT = flags.DEFINE_bool("chat", False, "Render the prompt with the model's chat template.")
 _SYSTEM = flags.DEFINE_string("system", None, "System message (with --chat).")
+_CACHE = flags.DEFINE_string("compilation_cache", os.path.expanduser("~/.cache/pigjax/jax"),
+                             "Persistent XLA compilation cache ('' disables it): later runs with "
+                             "the same shapes skip most of the compile time.")
 
 
 def main(argv):
@@ -33,6 +39,8 @@ def main(argv):
   if not prompts:
     raise app.UsageError("Give --prompt or --prompt_file.")
 
+  if _CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   pipe = Pipeline.load(cfg)
   streaming = len(prompts) == 1
 
