@@ -1,6 +1,10 @@
 // XLA FFI bindings of pigjax's host kernels, exported to Python with nanobind.
 // The kernels themselves live in headers free of XLA and nanobind includes (store.h, kernels.h).
 #include <array>
+#include <cstring>
+#include <immintrin.h>
+#include <numeric>
+#include <utility>
 #include <cstdint>
 #include <memory>
 #include <new>
@@ -8,6 +12,7 @@
 #include <string>
 
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
@@ -196,6 +201,54 @@ static nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+__attribute__((target("avx2"))) static float SumAvx2(const float* a, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(),
+         s3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(a + i));
+    s1 = _mm256_add_ps(s1, _mm256_loadu_ps(a + i + 8));
+    s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + i + 16));
+    s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
+  }
+  float out[8];
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  float t = 0.f;
+  for (float x : out) t += x;
+  for (; i < n; ++i) t += a[i];
+  return t;
+}
+
+static std::pair<double, double> StreamBandwidth(int64_t bytes, int threads, int repeats) {
+  const int64_t n = std::max<int64_t>(bytes / 4, 1024);
+  std::vector<float> a(n, 1.f), b(n, 0.f);
+  pigjax::ThreadPool pool(threads);
+  const int64_t chunks = int64_t{threads} * 16, per = (n + chunks - 1) / chunks;
+  std::vector<float> sums(chunks);
+  const bool avx2 = __builtin_cpu_supports("avx2");
+  double best_copy = 0, best_read = 0;
+  for (int r = 0; r < repeats; ++r) {
+    uint64_t t0 = pigjax::NowNs();
+    pool.ParallelFor(chunks, [&](int64_t c, int) {
+      const int64_t lo = c * per, hi = std::min(n, lo + per);
+      if (lo < hi) std::memcpy(b.data() + lo, a.data() + lo, (hi - lo) * 4);
+    });
+    uint64_t t1 = pigjax::NowNs();
+    best_copy = std::max(best_copy, 2.0 * n * 4 / double(t1 - t0));
+    pool.ParallelFor(chunks, [&](int64_t c, int) {
+      const int64_t lo = c * per, hi = std::min(n, lo + per);
+      if (lo >= hi) return;
+      sums[c] = avx2 ? SumAvx2(a.data() + lo, hi - lo)
+                     : static_cast<float>(std::accumulate(a.data() + lo, a.data() + hi, 0.0));
+    });
+    uint64_t t2 = pigjax::NowNs();
+    best_read = std::max(best_read, 1.0 * n * 4 / double(t2 - t1));
+  }
+  volatile float sink = sums[0];
+  (void)sink;
+  return {best_copy, best_read};
+}
+
 static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_heads,
                                       int head_dim, int num_bits, int num_tables,
                                       int64_t capacity, const std::string& dtype, int threads) {
@@ -283,6 +336,38 @@ NB_MODULE(_pigjax_ffi, m) {
     std::vector<float> out(cos.size());
     for (size_t i = 0; i < cos.size(); ++i) out[i] = table(cos[i]);
     return out;
+  });
+  m.def("store_set_profiling", [](int64_t h, bool on) {
+    auto s = GetStore(h, "store_set_profiling");
+    nb::gil_scoped_release release;
+    s->SetProfiling(on);
+  });
+  m.def("store_profile", [](int64_t h) {
+    auto s = GetStore(h, "store_profile");
+    pigjax::Profile p;
+    {
+      nb::gil_scoped_release release;
+      p = s->GetProfile();
+    }
+    nb::dict d;
+    d["attend_calls"] = p.attend_calls;
+    d["attend_ns"] = p.attend_ns;
+    d["insert_calls"] = p.insert_calls;
+    d["insert_ns"] = p.insert_ns;
+    d["lookup_ns"] = p.lookup_ns;
+    d["score_ns"] = p.score_ns;
+    d["softmax_ns"] = p.softmax_ns;
+    d["heads"] = p.heads;
+    d["ids_walked"] = p.ids_walked;
+    d["candidates"] = p.candidates;
+    d["bytes"] = p.bytes;
+    return d;
+  });
+  // STREAM-style bandwidth (GB/s, best of `repeats`) with `threads` threads (0 = all): a copy
+  // b = a of two `bytes`-sized float arrays (counted as 2 x bytes) and a read-only sum of a.
+  m.def("stream_bandwidth", [](int64_t bytes, int threads, int repeats) {
+    nb::gil_scoped_release release;
+    return StreamBandwidth(bytes, pigjax::ResolveThreads(threads), repeats);
   });
   m.def("store_num_threads", [](int64_t h) { return GetStore(h, "store_num_threads")->num_threads(); });
   m.def("store_isa", [](int64_t h) { return std::string(GetStore(h, "store_isa")->isa()); });

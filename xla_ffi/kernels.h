@@ -7,6 +7,8 @@
 #define PIGJAX_XLA_FFI_KERNELS_H_
 
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -20,6 +22,20 @@
 #endif
 
 namespace pigjax {
+
+inline uint64_t NowNsKernel() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// CPU time of the calling thread (profiling counters: unlike wall time it excludes time the
+// thread spent descheduled, so the phase split stays meaningful on a busy machine).
+inline uint64_t ThreadCpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000u + uint64_t(ts.tv_nsec);
+}
 
 // bfloat16 as its raw bits; a distinct type so it cannot be confused with an integer.
 struct bf16 {
@@ -225,10 +241,11 @@ class LogCollisionTable {
 // Candidate collection (step 5).
 
 // Per-worker scratch of the lookup: `mark[i]` < epoch means "not seen for this query", == epoch
-// "seen once", == epoch + 1 "seen twice or more". Each query advances the epoch by 2, so the array
-// is never cleared (except on wrap-around, once every 2^31 queries).
+// "seen once", == epoch + 1 "seen twice or more". Each query advances the epoch by 2. One byte
+// per pool token keeps the array cache-resident (128 KiB at 128k tokens; the walk hits it at
+// random), at the price of clearing it every 127 queries, which costs far less than one walk.
 struct CollisionCounter {
-  std::vector<uint32_t> mark;  // [>= pool size]
+  std::vector<uint8_t> mark;  // [>= pool size]
   uint32_t epoch = 0;
 
   // New entries start at 0, below every epoch in use.
@@ -236,8 +253,8 @@ struct CollisionCounter {
     if (mark.size() < size_t(n)) mark.resize(n, 0u);
   }
   void NextQuery() {
-    if (epoch >= std::numeric_limits<uint32_t>::max() - 4) {
-      std::fill(mark.begin(), mark.end(), 0u);  // all of it: stale marks past n would look new
+    if (epoch + 3 > 255) {
+      std::fill(mark.begin(), mark.end(), uint8_t{0});  // all of it: stale marks past n look new
       epoch = 0;
     }
     epoch += 2;
@@ -245,31 +262,57 @@ struct CollisionCounter {
 };
 
 // Appends to `cand` every pool token that shares the query's code in at least 2 tables; returns
-// the count. The caller has reserved the counter for the pool size. `offsets`: [L, 2^K + 1]; `ids[t][.]`: token ids of table t sorted by bucket;
-// `codes`: the query's L codes, already checked to lie in [0, 2^K).
+// the count. The caller has reserved the counter for the pool size. `offsets`: [L, 2^K + 1];
+// `ids[t][.]`: token ids of table t sorted by bucket; `codes`: the query's L codes, already
+// checked to lie in [0, 2^K). Branch-free: whether a token was seen is a coin flip per id, which
+// a branch would mispredict half the time.
+inline void CountCollisions(const int32_t* row, int32_t j, int32_t end, uint8_t* mark, uint8_t e,
+                            uint8_t e1, int32_t* cand, int64_t& count);
+constexpr int kMaxTablesOnStack = 256;
+
 template <typename Tables>
 int64_t CollectCandidates(const int32_t* offsets, const Tables& ids, const int32_t* codes,
                           int num_bits, int num_tables, CollisionCounter& counter, int32_t* cand) {
   counter.NextQuery();
-  const uint32_t e = counter.epoch;
-  uint32_t* mark = counter.mark.data();
+  const uint8_t e = static_cast<uint8_t>(counter.epoch), e1 = static_cast<uint8_t>(e + 1);
+  uint8_t* mark = counter.mark.data();
   const int64_t stride = (int64_t{1} << num_bits) + 1;
+  // Each table's bucket is elsewhere in memory (a miss per table): read all bucket bounds first
+  // (independent loads that overlap), then walk with the next tables' buckets prefetched.
+  constexpr int kAhead = 4;
+  int32_t begin[kMaxTablesOnStack], end[kMaxTablesOnStack];
   int64_t count = 0;
-  for (int t = 0; t < num_tables; ++t) {
-    const int32_t* off = offsets + t * stride;
-    const int32_t* row = ids[t].data();
-    for (int32_t j = off[codes[t]], end = off[codes[t] + 1]; j < end; ++j) {
-      const int32_t i = row[j];
-      const uint32_t m = mark[i];
-      if (m < e) {
-        mark[i] = e;
-      } else if (m == e) {
-        mark[i] = e + 1;
-        cand[count++] = i;
+  for (int t0 = 0; t0 < num_tables; t0 += kMaxTablesOnStack) {
+    const int nt = std::min(num_tables - t0, kMaxTablesOnStack);
+    for (int t = 0; t < nt; ++t) {
+      const int32_t* off = offsets + (t0 + t) * stride + codes[t0 + t];
+      begin[t] = off[0];
+      end[t] = off[1];
+    }
+    for (int t = 0; t < std::min(nt, kAhead); ++t) {
+      __builtin_prefetch(ids[t0 + t].data() + begin[t], 0, 3);
+    }
+    for (int t = 0; t < nt; ++t) {
+      if (t + kAhead < nt) {
+        const int32_t* r = ids[t0 + t + kAhead].data();
+        __builtin_prefetch(r + begin[t + kAhead], 0, 3);
+        __builtin_prefetch(r + begin[t + kAhead] + 16, 0, 3);
       }
+      CountCollisions(ids[t0 + t].data(), begin[t], end[t], mark, e, e1, cand, count);
     }
   }
   return count;
+}
+
+inline void CountCollisions(const int32_t* row, int32_t j, int32_t end, uint8_t* mark, uint8_t e,
+                            uint8_t e1, int32_t* cand, int64_t& count) {
+    for (; j < end; ++j) {
+      const int32_t i = row[j];
+      const uint8_t m = mark[i];
+      mark[i] = m >= e ? e1 : e;
+      cand[count] = i;
+      count += (m == e);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -283,17 +326,31 @@ struct PoolView {
   int64_t n;
 };
 
+// How many candidates ahead the gather loops prefetch: rows are scattered over the pool, so
+// each is a cache miss unless requested early (about a DRAM latency's worth of work ahead).
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 // o[D] and *lse for one query over candidate rows `cand[0..count)`. `score` is scratch of
 // size >= count. Raw keys in the logits (centred keys only in the cosine; DESIGN.md step 2).
+// Two passes (scores and max, then exp and V): a one-pass online softmax was measured slower,
+// as its iterations depend on each other through the running max.
+// split_ns (optional, profiling): += the thread CPU time of the score and the softmax pass.
 template <typename T>
 void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
                       const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
-                      float* score, float* o, float* lse) {
+                      float* score, float* o, float* lse, uint64_t* split_ns = nullptr) {
   std::fill(o, o + d, 0.f);
   if (count == 0) {
     *lse = -std::numeric_limits<float>::infinity();
     return;
   }
+  const uint64_t t0 = split_ns ? ThreadCpuNs() : 0;
   const T* k = static_cast<const T*>(pool.k);
   const T* v = static_cast<const T*>(pool.v);
   const float q_norm = std::sqrt(ops.Dot(q, q, d));
@@ -301,6 +358,11 @@ void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolVi
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < count; ++c) {
+    if (c + kPrefetchAhead < count) {
+      const int64_t ahead = cand[c + kPrefetchAhead];
+      PrefetchRow(k + ahead * d, d);
+      __builtin_prefetch(pool.norms + ahead, 0, 3);
+    }
     const int64_t i = cand[c];
     const float qk = ops.Dot(q, k + i * d, d);
     const float denom = q_norm * pool.norms[i];
@@ -310,8 +372,10 @@ void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolVi
     score[c] = s;
     m = std::max(m, s);
   }
+  const uint64_t t1 = split_ns ? ThreadCpuNs() : 0;
   float z = 0.f;
   for (int64_t c = 0; c < count; ++c) {
+    if (c + kPrefetchAhead < count) PrefetchRow(v + int64_t{cand[c + kPrefetchAhead]} * d, d);
     const float w = std::exp(score[c] - m);
     z += w;
     ops.Axpy(w, v + static_cast<int64_t>(cand[c]) * d, o, d);
@@ -319,6 +383,11 @@ void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolVi
   const float inv_z = 1.f / z;
   for (int64_t j = 0; j < d; ++j) o[j] *= inv_z;
   *lse = m + std::log(z);
+  if (split_ns) {
+    const uint64_t t2 = ThreadCpuNs();
+    split_ns[0] += t1 - t0;
+    split_ns[1] += t2 - t1;
+  }
 }
 
 }  // namespace pigjax

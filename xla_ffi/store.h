@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -85,7 +86,7 @@ inline std::string CheckConfig(const StoreConfig& c) {
 
 // Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
 inline uint64_t ScratchBytes(const StoreConfig& c) {
-  return uint64_t(c.capacity) * 12 + uint64_t(c.head_dim) * 4 +
+  return uint64_t(c.capacity) * 9 + uint64_t(c.head_dim) * 4 +
          ((uint64_t{1} << c.num_bits) + 1) * 4;
 }
 
@@ -161,6 +162,24 @@ struct AttendArgs {
   std::array<int64_t, 2> count_shape{};
 };
 
+// Kernel counters (nanoseconds and counts), summed over calls and workers. Phases per query
+// head (thread CPU time): lookup (bucket walk + collision counting), score (gather K rows, q.k, log u), softmax
+// (exp, gather V rows, accumulate). Bytes are what the kernel must read: ids walked, and per
+// candidate its K and V rows and its norm.
+struct Profile {
+  uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
+  uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
+  uint64_t heads = 0, ids_walked = 0, candidates = 0, bytes = 0;
+  void Add(const Profile& o) {
+    attend_calls += o.attend_calls, attend_ns += o.attend_ns, insert_calls += o.insert_calls;
+    insert_ns += o.insert_ns, lookup_ns += o.lookup_ns, score_ns += o.score_ns;
+    softmax_ns += o.softmax_ns, heads += o.heads, ids_walked += o.ids_walked;
+    candidates += o.candidates, bytes += o.bytes;
+  }
+};
+
+inline uint64_t NowNs() { return NowNsKernel(); }
+
 // Below this many (pool token x query head) pairs an attend runs on the calling thread: waking
 // the pool's threads costs tens of microseconds, more than such a call takes on one core.
 constexpr int64_t kMinParallelWork = 32768;
@@ -220,14 +239,30 @@ class Store {
   std::string Insert(const InsertArgs& a);
   std::string Attend(const AttendArgs& a);
 
+  // Optional kernel timing counters (off by default; a steady_clock read per phase per head).
+  void SetProfiling(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    profiling_ = on;
+    prof_ = Profile();
+    for (auto& s : scratch_) s.prof = Profile();
+  }
+  // Counters summed over workers since profiling was switched on.
+  Profile GetProfile() {
+    std::lock_guard<std::mutex> lock(mu_);
+    Profile p = prof_;
+    for (const auto& s : scratch_) p.Add(s.prof);
+    return p;
+  }
+
  private:
   struct Scratch {
     CollisionCounter counter;
     std::vector<int32_t> cand;
     std::vector<float> score, q;
     std::vector<int32_t> bucket;  // [2^K + 1]
+    Profile prof;
     uint64_t Bytes() const {
-      return 4 * (counter.mark.capacity() + cand.capacity() + score.capacity() + q.capacity() +
+      return counter.mark.capacity() + 4 * (cand.capacity() + score.capacity() + q.capacity() +
                   bucket.capacity());
     }
   };
@@ -241,6 +276,8 @@ class Store {
                      Scratch& s);
 
   std::mutex mu_;  // one call at a time: calls mutate pools and share the scratch
+  bool profiling_ = false;
+  Profile prof_;  // call-level counters (wall time of whole calls)
   const StoreConfig cfg_;
   const VecOps& ops_;
   const LogCollisionTable log_u_;
@@ -382,6 +419,7 @@ inline std::string Store::Insert(const InsertArgs& a) {
     }
   }
 
+  const uint64_t call_t0 = profiling_ ? NowNs() : 0;
   // Pass 1, per (row, kv head): copy K/V, norms, mean; allocate. Pass 2, per table: CSR append.
   // Pools are only marked longer once both passes succeeded.
   const int64_t hkv = c.num_kv_heads;
@@ -409,6 +447,10 @@ inline std::string Store::Insert(const InsertArgs& a) {
   for (int64_t b = 0; b < bsz; ++b) {
     for (int64_t h = 0; h < hkv; ++h) Pool(a.layer, a.slots[b], h).n = n0[b] + a.lengths[b];
     a.new_sizes[b] = static_cast<int32_t>(n0[b] + a.lengths[b]);
+  }
+  if (profiling_) {
+    prof_.insert_calls += 1;
+    prof_.insert_ns += NowNs() - call_t0;
   }
   return "";
 }
@@ -443,6 +485,8 @@ inline std::string Store::Attend(const AttendArgs& a) {
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
+  const bool prof = profiling_;
+  const uint64_t call_t0 = prof ? NowNs() : 0;
   int64_t max_n = 0, work = 0;
   for (int64_t b = 0; b < bsz; ++b) {
     if (auto e = CheckSlot(a.slots[b]); !e.empty()) return Str("store_attend: row ", b, ": ", e);
@@ -453,7 +497,8 @@ inline std::string Store::Attend(const AttendArgs& a) {
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
-      if (s.cand.size() < size_t(max_n)) s.cand.resize(max_n);
+      // + 1: the branch-free lookup writes one slot past the last candidate.
+      if (s.cand.size() < size_t(max_n) + 1) s.cand.resize(max_n + 1);
       if (s.score.size() < size_t(max_n)) s.score.resize(max_n);
       s.q.resize(d);
     }
@@ -477,18 +522,39 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.q[e] = a.q_dtype == DType::kF32 ? static_cast<const float*>(a.q)[i * d + e]
                                         : ToF32(static_cast<const bf16*>(a.q)[i * d + e]);
     }
-    const int64_t count = CollectCandidates(p.offsets.data(), p.ids, a.codes + i * c.num_tables,
-                                            c.num_bits, c.num_tables, s.counter, s.cand.data());
+    const int32_t* qcodes = a.codes + i * c.num_tables;
+    const uint64_t t0 = prof ? ThreadCpuNs() : 0;
+    const int64_t count = CollectCandidates(p.offsets.data(), p.ids, qcodes, c.num_bits,
+                                            c.num_tables, s.counter, s.cand.data());
+    uint64_t split[2] = {0, 0};
+    if (prof) {
+      s.prof.lookup_ns += ThreadCpuNs() - t0;
+      uint64_t walked = 0;
+      for (int t = 0; t < c.num_tables; ++t) {
+        const int32_t* off = p.offsets.data() + t * (nb + 1);
+        walked += off[qcodes[t] + 1] - off[qcodes[t]];
+      }
+      s.prof.heads += 1;
+      s.prof.ids_walked += walked;
+      s.prof.candidates += count;
+      s.prof.bytes += walked * 4 + count * (2 * d * DTypeSize(c.dtype) + 4);
+    }
     const PoolView view{p.k.data(), p.v.data(), p.norms.data(), p.mu.data(), p.n};
     if (c.dtype == DType::kF32) {
       SampledAttention<float>(ops_, s.q.data(), d, view, s.cand.data(), count, log_u_,
-                              s.score.data(), o, &a.lse[i]);
+                              s.score.data(), o, &a.lse[i], prof ? split : nullptr);
     } else {
       SampledAttention<bf16>(ops_, s.q.data(), d, view, s.cand.data(), count, log_u_,
-                             s.score.data(), o, &a.lse[i]);
+                             s.score.data(), o, &a.lse[i], prof ? split : nullptr);
     }
+    s.prof.score_ns += split[0];
+    s.prof.softmax_ns += split[1];
     a.count[i] = static_cast<int32_t>(count);
   }, work < kMinParallelWork);
+  if (prof) {
+    prof_.attend_calls += 1;
+    prof_.attend_ns += NowNs() - call_t0;
+  }
   return "";
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -40,6 +41,9 @@ class ThreadPool {
   // Runs task(i, worker) for every i in [0, n), worker in [0, size()), and returns when all are
   // done. Rethrows the first exception a task threw. One call at a time (callers serialise).
   // inline_only: run everything on the calling thread (work too small to pay for a wake-up).
+  // The caller works too, and waits only for tasks that were started, never for a worker that
+  // has not woken up yet: on a busy machine a wake-up can take a scheduler tick, far longer than
+  // the tasks of one attend call.
   void ParallelFor(int64_t n, const Task& task, bool inline_only = false) {
     if (n <= 0) return;
     if (n == 1 || threads_.empty() || inline_only) {
@@ -49,16 +53,17 @@ class ThreadPool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       task_ = &task;
-      n_ = n;
-      next_.store(0);
+      n_.store(n);
+      done_.store(0);
       error_ = nullptr;
-      active_ = static_cast<int>(threads_.size());
+      next_.store(0);  // after task_ and n_: a worker that claims an index sees this call's task
       ++generation_;
     }
     start_cv_.notify_all();
     RunTasks(0);
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return active_ == 0; });
+    done_cv_.wait(lock, [this] { return done_.load() == n_; });
+    next_.store(std::numeric_limits<int64_t>::max() / 2);  // late wakers find nothing to claim
     task_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -71,6 +76,10 @@ class ThreadPool {
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!error_) error_ = std::current_exception();
+      }
+      if (done_.fetch_add(1) + 1 == n_) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_cv_.notify_one();
       }
     }
   }
@@ -85,8 +94,6 @@ class ThreadPool {
         seen = generation_;
       }
       RunTasks(worker);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--active_ == 0) done_cv_.notify_one();
     }
   }
 
@@ -94,9 +101,9 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   const Task* task_ = nullptr;
-  int64_t n_ = 0;
-  std::atomic<int64_t> next_{0};
-  int active_ = 0;
+  std::atomic<int64_t> n_{0};
+  std::atomic<int64_t> next_{std::numeric_limits<int64_t>::max() / 2};
+  std::atomic<int64_t> done_{0};
   uint64_t generation_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;

@@ -1,0 +1,209 @@
+"""Decode-step benchmark: dense vs MagicPIG at long context, roofline, prefill overhead, peers.
+
+  .venv/bin/python scripts/bench_decode.py --out benchmarks/results.json
+
+Writes one JSON with every measurement and the figures of BENCHMARKS.md (--plots; or redraw
+them from a JSON with --plot_only). See pigjax/bench.py for how long contexts are built.
+"""
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from absl import app, flags
+
+from pigjax import bench, weights
+from pigjax.config import AttentionConfig, Config
+from pigjax.engine import Engine
+from pigjax.magicpig import MagicPigBackend
+from pigjax.pipeline import Pipeline
+from pigjax.store import HostKVStore
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("contexts", ["4096", "16384", "32768", "65536", "131072"], "Context lengths.")
+flags.DEFINE_integer("source_tokens", 2048, "Real prefill length the long caches are tiled from.")
+flags.DEFINE_integer("rounds", 5, "Interleaved rounds per context.")
+flags.DEFINE_integer("steps", 3, "Decode steps per method per round.")
+flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
+flags.DEFINE_integer("num_tables", 150, "MagicPIG L.")
+flags.DEFINE_integer("threads", 0, "Host kernel threads (0 = all cores).")
+flags.DEFINE_list("llama8b_contexts", ["32768", "131072"], "Attention-only Llama-3.1-8B shapes.")
+flags.DEFINE_integer("llama8b_layers", 2, "Layers in the attention-only configuration.")
+flags.DEFINE_list("llamacpp_contexts", ["1024", "2048", "4096"],
+                  "Contexts llama.cpp is filled to by its own prefill ('' to skip).")
+flags.DEFINE_float("memory_margin_gb", 3.0, "RAM left free for other processes.")
+flags.DEFINE_string("plots", "benchmarks", "Folder for the PNG figures ('' for none).")
+flags.DEFINE_bool("plot_only", False, "Only redraw the figures from --out.")
+flags.DEFINE_string("out", "benchmarks/results.json", "Where to write the results.")
+
+
+def log(*a):
+  print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def smollm2(res):
+  contexts = [int(c) for c in FLAGS.contexts]
+  att = AttentionConfig(kind="magicpig", num_bits=FLAGS.num_bits, num_tables=FLAGS.num_tables,
+                        threads=FLAGS.threads)
+  cfg = Config(checkpoint="smollm2", max_seq_len=max(contexts) + 512, attention=att)
+  pipe = Pipeline.load(cfg, progress=False)
+  cfg = pipe.cfg
+  dense_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(att, kind="dense"))
+  dense_engine = Engine(dense_cfg, pipe.model)
+  backend = MagicPigBackend(cfg)
+  a, m = cfg.attention, cfg.model
+  backend.store = HostKVStore(num_layers=len(backend.sparse_layers), num_slots=1,
+                              num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                              num_bits=a.num_bits, num_tables=a.num_tables,
+                              capacity=max(contexts), threads=a.threads)
+  pig_engine = Engine(cfg, pipe.model, backend)
+
+  ids = bench.prompt_ids(pipe.tokenizer, FLAGS.source_tokens)
+  src, prefill_s = bench.real_prefill(dense_engine, ids)
+  log(f"real prefill of {len(ids)} tokens: {prefill_s:.1f} s")
+  # Prefill overhead: MagicPigBackend.after_prefill (centre + hash + FFI insert of every sparse
+  # layer) on the real prefill's cache, relative to that prefill. First call compiles.
+  for timed in (False, True):
+    copy = jax.tree.map(jnp.copy, src)
+    backend.store.reset(0)
+    bench.set_profiling(backend.store, True)
+    t0 = time.perf_counter()
+    jax.block_until_ready(backend.after_prefill(copy, np.array([len(ids)], np.int32)))
+    after_s = time.perf_counter() - t0
+  prof = bench.kernel_profile(backend.store)
+  bench.set_profiling(backend.store, False)
+  res["prefill"] = dict(tokens=len(ids), dense_prefill_s=prefill_s, after_prefill_s=after_s,
+                        insert_kernel_s=prof["insert_ns"] * 1e-9, overhead=after_s / prefill_s,
+                        per_1k_tokens_s=after_s / len(ids) * 1024,
+                        dense_per_1k_tokens_s=prefill_s / len(ids) * 1024)
+  log("prefill overhead", res["prefill"])
+
+  res["smollm2"] = []
+  for n in contexts:
+    capacity = n + 256
+    # Both caches live at once (they are timed interleaved). Where the f32 dense cache would not
+    # fit next to the store with room to spare for the machine's other users, the dense cache
+    # (and so the MagicPIG step's dense layers and exact buffer) is bfloat16; past that, skip.
+    store_need = HostKVStore.estimate_bytes(
+        num_layers=len(backend.sparse_layers), num_slots=1, num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n)
+    avail = bench.available_bytes()
+    dtype = None
+    for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
+      need = store_need + itemsize * 2 * m.num_layers * m.num_kv_heads * capacity * m.head_dim
+      if need + FLAGS.memory_margin_gb * 2**30 < avail:
+        dtype = dt or pipe.model.dtype
+        break
+    if dtype is None:
+      res["smollm2"].append(dict(context=n, skipped=f"needs {need / 2**30:.1f} GiB with a bf16 "
+                                 f"dense cache; {avail / 2**30:.1f} GiB available"))
+      log(res["smollm2"][-1])
+      save(res)
+      continue
+    dense = bench.tile_cache(src, len(ids), n, capacity, m, dtype=dtype)
+    tm = {}
+    pc = bench.magicpig_cache(backend, dense, n, tm)
+    mem = backend.store.memory_bytes()
+    fns = {"dense": bench.decode_stepper(dense_engine, dense, 1, capacity),
+           "magicpig": bench.decode_stepper(pig_engine, pc, 1, capacity)}
+    del dense, pc
+    bench.interleaved(fns, 1, 1)
+    times = bench.interleaved(fns, FLAGS.rounds, FLAGS.steps, warmup=0)
+    bench.set_profiling(backend.store, True)
+    kt = bench.interleaved({"magicpig": fns["magicpig"]}, 1, FLAGS.steps, warmup=0)
+    prof = bench.kernel_profile(backend.store)
+    bench.set_profiling(backend.store, False)
+    steps = FLAGS.steps
+    row = dict(context=n, batch=1, dense_cache_dtype=jnp.dtype(dtype).name,
+               **bench.summarise(times), hash_s=tm["hash_s"],
+               insert_s=tm["insert_s"], store_bytes=mem,
+               kernel_ms_per_step=prof["attend_ns"] * 1e-6 / steps,
+               kernel_bytes_per_step=prof["bytes"] / steps,
+               lookup_ms=prof["lookup_ns"] * 1e-6 / steps, score_ms=prof["score_ns"] * 1e-6 / steps,
+               softmax_ms=prof["softmax_ns"] * 1e-6 / steps,
+               candidate_fraction=prof["candidates"] / max(1, prof["heads"]) / (n - 68),
+               profiled_step_ms=1e3 * sorted(kt["magicpig"])[len(kt["magicpig"]) // 2])
+    row["speedup"] = row["dense_ms"] / row["magicpig_ms"]
+    res["smollm2"].append(row)
+    log(json.dumps(row))
+    save(res)
+    del fns
+  backend.store.close()
+
+
+def llama8b(res):
+  res["llama8b_attention"] = []
+  for n in [int(c) for c in FLAGS.llama8b_contexts if c]:
+    fns, store, info = bench.attention_only_steps(FLAGS.llama8b_layers, 32, 8, 128, n, 1,
+                                                  FLAGS.num_bits, FLAGS.num_tables,
+                                                  threads=FLAGS.threads)
+    times = bench.interleaved(fns, FLAGS.rounds, FLAGS.steps)
+    bench.set_profiling(store, True)
+    bench.interleaved({"magicpig": fns["magicpig"]}, 1, FLAGS.steps, warmup=0)
+    prof = bench.kernel_profile(store)
+    row = dict(context=n, layers=FLAGS.llama8b_layers, **bench.summarise(times),
+               kernel_ms_per_step=prof["attend_ns"] * 1e-6 / FLAGS.steps,
+               kernel_bytes_per_step=prof["bytes"] / FLAGS.steps,
+               candidate_fraction=prof["candidates"] / max(1, prof["heads"]) / (n - 68),
+               store_bytes=store.memory_bytes(), **info)
+    row["speedup"] = row["dense_ms"] / row["magicpig_ms"]
+    res["llama8b_attention"].append(row)
+    log(json.dumps(row))
+    store.close()
+    del fns
+
+
+def llamacpp(res):
+  contexts = [int(c) for c in FLAGS.llamacpp_contexts if c]
+  if not contexts:
+    return
+  try:
+    peer = bench.LlamaCppPeer(weights.smollm2_gguf_path(), max(contexts) + 64,
+                              FLAGS.threads or bench.os.cpu_count())
+  except ImportError as e:
+    res["llamacpp"] = {"error": f"llama-cpp-python is not installed ({e})"}
+    return
+  from pigjax.tokenizer import Tokenizer
+  tok = Tokenizer.from_gguf(weights.smollm2_gguf_path())
+  ids = bench.prompt_ids(tok, max(contexts))
+  rows = []
+  for n in contexts:
+    fill_s = peer.fill(ids[:n])
+    t = bench.interleaved({"llamacpp": peer.stepper()}, FLAGS.rounds, FLAGS.steps)
+    rows.append(dict(context=n, fill_s=fill_s, **bench.summarise(t)))
+    log(json.dumps(rows[-1]))
+  res["llamacpp"] = rows
+
+
+def save(res):
+  with open(FLAGS.out, "w") as f:
+    json.dump(res, f, indent=1)
+
+
+def main(argv):
+  del argv
+  if FLAGS.plot_only:
+    with open(FLAGS.out) as f:
+      print(bench.plot_results(json.load(f), FLAGS.plots))
+    return
+  res = {"cpu": bench.cpu_model(), "flags": FLAGS.flags_into_string()}
+  res["bandwidth"] = bench.memory_bandwidth(threads=FLAGS.threads)
+  log("bandwidth", res["bandwidth"])
+  res["host_bytes_per_token"] = bench.host_bytes_per_token(64, FLAGS.num_tables)
+  # Peers and the small configuration first: the largest SmolLM2 contexts come last.
+  for part in (llamacpp, llama8b, smollm2):
+    part(res)
+    save(res)
+  res["bandwidth_end"] = bench.memory_bandwidth(threads=FLAGS.threads)
+  log("bandwidth", res["bandwidth_end"])
+  save(res)
+  if FLAGS.plots:
+    log(bench.plot_results(res, FLAGS.plots))
+
+
+if __name__ == "__main__":
+  app.run(main)

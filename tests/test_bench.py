@@ -1,0 +1,105 @@
+"""Smoke tests of pigjax.bench on tiny sizes: the tiled caches, the per-layer MagicPIG cache
+builder (against the backend's own after_prefill), timing helpers and the kernel counters."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_checkpoint
+from pigjax import bench
+from pigjax.config import AttentionConfig, Config
+from pigjax.engine import Engine
+from pigjax.magicpig import MagicPigBackend
+from pigjax.model import apply_rope, rope_tables
+from pigjax.pipeline import Pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  d = tmp_path_factory.mktemp("tiny_bench")
+  tiny_checkpoint.write_tiny_llama(d, num_layers=3, max_position=4096)
+  cfg = Config(checkpoint=str(d), max_seq_len=1024, prefill_chunk=64,
+               attention=AttentionConfig(kind="magicpig", num_bits=4, num_tables=16, sink=4,
+                                         window=16, dense_layers=(0,), generated_buffer=8,
+                                         store_dtype="float32"))
+  return Pipeline.load(cfg, progress=False)
+
+
+def test_source_positions():
+  src = bench.source_positions(10, 25, sink=4)
+  np.testing.assert_array_equal(src[:10], np.arange(10))
+  np.testing.assert_array_equal(src[10:16], np.arange(4, 10))
+  assert src.min() >= 0 and src.max() < 10
+
+
+def test_tile_cache_rerotates_keys(tiny):
+  m = tiny.cfg.model
+  dense_engine = Engine(dataclasses.replace(tiny.cfg, attention=AttentionConfig()), tiny.model)
+  ids = list(np.random.default_rng(0).integers(3, 250, 64))
+  src, _ = bench.real_prefill(dense_engine, ids)
+  tiled = bench.tile_cache(src, 64, 200, 256, m)
+  assert tiled.k[0].shape[2] == 256 and int(tiled.lengths_B[0]) == 200
+  np.testing.assert_allclose(tiled.k[1][:, :, :64], src.k[1][:, :, :64], atol=1e-5)
+  # Token 100 copies source token src(100); un-rotating both to position 0 must agree.
+  p = 100
+  s = int(bench.source_positions(64, 200, 4)[p])
+
+  def unrotate(k_BKD, pos):
+    sin, cos = rope_tables(jnp.array([[pos]]), m)
+    return apply_rope(k_BKD[:, None], -sin, cos)[:, 0]
+
+  np.testing.assert_allclose(unrotate(tiled.k[2][:, :, p], p), unrotate(src.k[2][:, :, s], s),
+                             atol=1e-4)
+  np.testing.assert_array_equal(tiled.v[2][:, :, p], src.v[2][:, :, s])
+  assert float(jnp.abs(tiled.k[2][:, :, 200:]).max()) == 0.0
+
+
+def test_magicpig_cache_matches_after_prefill(tiny):
+  cfg = tiny.cfg
+  backend = MagicPigBackend(cfg)
+  engine = Engine(cfg, tiny.model, backend)
+  dense_engine = Engine(dataclasses.replace(cfg, attention=AttentionConfig()), tiny.model)
+  ids = list(np.random.default_rng(1).integers(3, 250, 128))
+  src, _ = bench.real_prefill(dense_engine, ids)
+  backend.create_cache(1, 128, tiny.model.dtype)
+  want = backend.after_prefill(jax.tree.map(jnp.copy, src), np.array([128], np.int32))
+  want_sizes = [backend.store.num_tokens(i, 0) for i in range(2)]
+  timings = {}
+  got = bench.magicpig_cache(backend, src, 128, timings)
+  assert [backend.store.num_tokens(i, 0) for i in range(2)] == want_sizes
+  assert set(timings) == {"hash_s", "insert_s"}
+  for name in ("exact_pos_BX", "pool_len_B", "lengths_B"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+  for a, b in zip(got.k + got.v, want.k + want.v):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(got.mu, want.mu):
+    if a is not None:
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # The same decode step on both caches gives the same token and the kernel counters count.
+  step_got = bench.decode_stepper(engine, got, 1, 256)
+  bench.set_profiling(backend.store, True)
+  times = bench.interleaved({"pig": step_got}, rounds=2, steps=1, warmup=0)
+  prof = bench.kernel_profile(backend.store)
+  assert len(times["pig"]) == 2 and all(t > 0 for t in times["pig"])
+  assert prof["attend_calls"] == 2 * 2 and prof["heads"] > 0 and prof["bytes"] > 0
+  res = bench.summarise(times)
+  assert res["pig_ms"] > 0 and res["pig_tok_s"] > 0
+
+
+def test_memory_bandwidth_and_bytes_per_token():
+  bw = bench.memory_bandwidth(mbytes=8, repeats=1)
+  assert bw["copy_gbps"] > 0 and bw["read_gbps"] > 0
+  b = bench.host_bytes_per_token(64, 150)
+  assert b["pigjax"]["total"] == 2 * 64 * 2 + 4 + 600
+  assert b["original"]["tables"] == 600
+
+
+def test_attention_only_steps_run():
+  fns, store, info = bench.attention_only_steps(1, 4, 2, 32, 512, 1, 4, 8)
+  times = bench.interleaved(fns, rounds=1, steps=1)
+  assert set(times) == {"dense", "magicpig"}
+  assert store.num_tokens(0, 0) == 512 - 68
+  store.close()
