@@ -94,7 +94,8 @@ class MagicPigBackend:
       # Donation lets dense layers keep their caches in place; the sparse layers' full caches are
       # freed rather than reused, which jax reports as "not usable".
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      return self._compiled("prefill", self._split_prefill, cache, handle)
+      # Block: host-side store calls (num_tokens, reset) are not ordered after dispatched work.
+      return jax.block_until_ready(self._compiled("prefill", self._split_prefill, cache, handle))
 
   def after_step(self, cache: MagicPigCache) -> MagicPigCache:
     """Between decode steps: move the older half of a full generated buffer into the pool."""

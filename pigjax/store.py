@@ -107,7 +107,11 @@ class HostKVStore:
     return self.handle
 
   def reset(self, slot: int) -> None:
-    """Empties `slot`'s pool in every layer and frees its memory."""
+    """Empties `slot`'s pool in every layer and frees its memory.
+
+    Host-side calls (this one, `num_tokens`, `memory_bytes`) run at once: they are not ordered
+    after inserts or attends that jax has dispatched but not yet run, so block on those first.
+    """
     _pigjax_ffi.store_reset(self._live(), slot)
 
   def num_tokens(self, layer: int, slot: int) -> int:
