@@ -155,7 +155,7 @@ def expected_candidate_fraction(num_bits: int, num_tables: int) -> float:
   return 1.0 - (1.0 - big_p) ** lt - lt * big_p * (1.0 - big_p) ** (lt - 1)
 
 
-def _masked_attention(s_BKGT: jax.Array, mask_BKGT: jax.Array,
+def masked_attention(s_BKGT: jax.Array, mask_BKGT: jax.Array,
                       v_BKTD: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Softmax of s over the masked tokens, applied to v; empty mask -> o = 0, lse = -inf.
 
@@ -174,7 +174,7 @@ def _masked_attention(s_BKGT: jax.Array, mask_BKGT: jax.Array,
   return o_BKGD, lse_BKG
 
 
-def _group(q_BHD: jax.Array, num_kv_heads: int) -> jax.Array:
+def group_heads(q_BHD: jax.Array, num_kv_heads: int) -> jax.Array:
   """GQA: query head h uses kv head h // G, so [B, H, D] -> [B, K, G, D]."""
   b, h, d = q_BHD.shape
   if h % num_kv_heads:
@@ -182,14 +182,14 @@ def _group(q_BHD: jax.Array, num_kv_heads: int) -> jax.Array:
   return q_BHD.astype(jnp.float32).reshape(b, num_kv_heads, h // num_kv_heads, d)
 
 
-def _scores(q_BKGD: jax.Array, k_BKTD: jax.Array, scale: float | None) -> jax.Array:
+def head_scores(q_BKGD: jax.Array, k_BKTD: jax.Array, scale: float | None) -> jax.Array:
   if scale is None:
     scale = 1.0 / math.sqrt(q_BKGD.shape[-1])
   return jnp.einsum("bkgd,bktd->bkgt", q_BKGD, k_BKTD.astype(jnp.float32),
                     precision=_HIGHEST) * scale
 
 
-def _ungroup(o_BKGD: jax.Array, lse_BKG: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ungroup_heads(o_BKGD: jax.Array, lse_BKG: jax.Array) -> tuple[jax.Array, jax.Array]:
   b, k, g, d = o_BKGD.shape
   return o_BKGD.reshape(b, k * g, d), lse_BKG.reshape(b, k * g)
 
@@ -201,7 +201,7 @@ def candidate_mask(q_BHD: jax.Array, codes_BKTL: jax.Array, valid_BKT: jax.Array
   Returns:
     cand_BHT: bool.
   """
-  q_BKGD = _group(q_BHD, codes_BKTL.shape[1])
+  q_BKGD = group_heads(q_BHD, codes_BKTL.shape[1])
   qcodes_BKGL = hash_codes(q_BKGD, w, num_bits, num_tables)
   hits_BKGT = jnp.sum(codes_BKTL[:, :, None] == qcodes_BKGL[:, :, :, None], axis=-1,
                       dtype=jnp.int32)
@@ -237,7 +237,7 @@ def pool_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
   cand_BHT = candidate_mask(q_BHD, codes_BKTL, valid_BKT, w, num_bits, num_tables)
   b, h, t = cand_BHT.shape
   cand_BKGT = cand_BHT.reshape(b, num_kv, h // num_kv, t)
-  q_BKGD = _group(q_BHD, num_kv)
+  q_BKGD = group_heads(q_BHD, num_kv)
 
   dot_BKGT = jnp.einsum("bkgd,bktd->bkgt", q_BKGD, kc_BKTD, precision=_HIGHEST)
   qn_BKG = jnp.linalg.norm(q_BKGD, axis=-1)
@@ -246,9 +246,9 @@ def pool_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
   cos_BKGT = jnp.where(denom_BKGT > 0, dot_BKGT / jnp.where(denom_BKGT > 0, denom_BKGT, 1.0), 0.0)
   log_u_BKGT = jnp.maximum(log_collision_probability(cos_BKGT, num_bits, num_tables), LOG_U_FLOOR)
 
-  s_BKGT = _scores(q_BKGD, k_BKTD, scale) - log_u_BKGT
-  o_BKGD, lse_BKG = _masked_attention(s_BKGT, cand_BKGT, v_BKTD)
-  o_BHD, lse_BH = _ungroup(o_BKGD, lse_BKG)
+  s_BKGT = head_scores(q_BKGD, k_BKTD, scale) - log_u_BKGT
+  o_BKGD, lse_BKG = masked_attention(s_BKGT, cand_BKGT, v_BKTD)
+  o_BHD, lse_BH = ungroup_heads(o_BKGD, lse_BKG)
   return o_BHD, lse_BH, jnp.sum(cand_BHT, axis=-1, dtype=jnp.int32)
 
 
@@ -260,9 +260,9 @@ def dense_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
   Returns:
     o_BHD f32 (0 where no token is valid), lse_BH f32 (-inf where none is valid).
   """
-  q_BKGD = _group(q_BHD, k_BKTD.shape[1])
-  s_BKGT = _scores(q_BKGD, k_BKTD, scale)
-  return _ungroup(*_masked_attention(s_BKGT, jnp.broadcast_to(valid_BKT[:, :, None], s_BKGT.shape),
+  q_BKGD = group_heads(q_BHD, k_BKTD.shape[1])
+  s_BKGT = head_scores(q_BKGD, k_BKTD, scale)
+  return ungroup_heads(*masked_attention(s_BKGT, jnp.broadcast_to(valid_BKT[:, :, None], s_BKGT.shape),
                                      v_BKTD))
 
 
@@ -274,14 +274,14 @@ def topk_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
   Tokens tied with the k_keep-th score are all kept. Returns o_BHD f32, lse_BH f32 as
   `dense_attention_ref`.
   """
-  q_BKGD = _group(q_BHD, k_BKTD.shape[1])
-  s_BKGT = _scores(q_BKGD, k_BKTD, scale)
+  q_BKGD = group_heads(q_BHD, k_BKTD.shape[1])
+  s_BKGT = head_scores(q_BKGD, k_BKTD, scale)
   valid_BKGT = jnp.broadcast_to(valid_BKT[:, :, None], s_BKGT.shape)
   masked_BKGT = jnp.where(valid_BKGT, s_BKGT, -jnp.inf)
   k_keep = min(k_keep, s_BKGT.shape[-1])
   kth_BKG = jax.lax.top_k(masked_BKGT, k_keep)[0][..., -1]
   keep_BKGT = valid_BKGT & (masked_BKGT >= kth_BKG[..., None])
-  return _ungroup(*_masked_attention(s_BKGT, keep_BKGT, v_BKTD))
+  return ungroup_heads(*masked_attention(s_BKGT, keep_BKGT, v_BKTD))
 
 
 def merge_attention(o1_BHD: jax.Array, lse1_BH: jax.Array, o2_BHD: jax.Array,

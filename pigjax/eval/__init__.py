@@ -1,0 +1,1 @@
+"""Quality harness: attention policies, real-text data, tasks and the evaluation loop (EVAL.md)."""

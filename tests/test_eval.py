@@ -1,0 +1,141 @@
+"""The quality harness on a tiny random model: policy equivalences, reference vs FFI, and a
+resumable end-to-end run of scripts/eval_quality.py's loop (fast: tiny shapes)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import tiny_checkpoint
+from pigjax.config import AttentionConfig, Config, SamplingConfig
+from pigjax.engine import Engine
+from pigjax.eval import harness, policies, report, tasks
+from pigjax.eval.runner import Runner
+from pigjax.magicpig import MagicPigBackend
+from pigjax.pipeline import Pipeline
+
+SINK, WINDOW = 4, 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  d = tmp_path_factory.mktemp("tiny_eval")
+  tiny_checkpoint.write_tiny_llama(d, num_layers=2, max_position=1024)
+  cfg = Config(checkpoint=str(d), max_seq_len=1024, prefill_chunk=64,
+               attention=AttentionConfig(num_bits=4, num_tables=16, sink=SINK, window=WINDOW,
+                                         dense_layers=(0,), generated_buffer=64,
+                                         store_dtype="float32"))
+  return Pipeline.load(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny):
+  runner = Runner(tiny.cfg, tiny.model, chunk=64)
+  rng = np.random.default_rng(0)
+  ctx = rng.integers(3, 250, (2, 150)).astype(np.int32)
+  feed = rng.integers(3, 250, (2, 6)).astype(np.int32)
+  dense, _ = runner.prefill(ctx, 192)
+  want, _ = runner.teacher_force(policies.PoolPolicyBackend(tiny.cfg, "dense"),
+                                 runner.start(policies.PoolPolicyBackend(tiny.cfg, "dense"), dense),
+                                 feed)
+  return runner, dense, feed, want
+
+
+def _run(runner, backend, dense, feed):
+  return runner.teacher_force(backend, runner.start(backend, dense), feed)
+
+
+def test_dense_policy_equals_engine_dense_decoding(tiny):
+  sc = SamplingConfig(max_new_tokens=10)
+  prompts = [list(np.random.default_rng(1).integers(3, 250, 120))]
+  want, _, _ = Engine(tiny.cfg, tiny.model).generate(prompts, sc)
+  got, _, stats = Engine(tiny.cfg, tiny.model,
+                         policies.PoolPolicyBackend(tiny.cfg, "dense")).generate(prompts, sc)
+  assert got == want
+  assert stats.extra["pool_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("policy,kw", [("topk", {"k_keep": 1000}), ("quest", {"n_pages": 100})])
+def test_full_budget_policies_equal_dense(tiny, prefilled, policy, kw):
+  """topk with k >= pool and quest with every page are dense attention; smaller budgets not."""
+  runner, dense, feed, want = prefilled
+  be = policies.PoolPolicyBackend(tiny.cfg, policy, **kw)
+  got, cache = _run(runner, be, dense, feed)
+  np.testing.assert_allclose(got, want, atol=2e-4)
+  assert be.stats(cache)["pool_fraction"] == pytest.approx(1.0)
+  small = {"topk": {"k_keep": 8}, "quest": {"n_pages": 1}}[policy]
+  be = policies.PoolPolicyBackend(tiny.cfg, policy, **small)
+  got, cache = _run(runner, be, dense, feed)
+  assert np.abs(got - want).max() > 1e-4 and be.stats(cache)["pool_fraction"] < 0.2
+
+
+def test_streaming_with_window_covering_context_equals_dense(tiny, prefilled):
+  runner, dense, feed, want = prefilled
+  cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(tiny.cfg.attention,
+                                                                    window=400))
+  got, cache = _run(runner, policies.PoolPolicyBackend(cfg, "streaming"), dense, feed)
+  np.testing.assert_allclose(got, want, atol=2e-4)
+  # and with a short window it is not dense
+  got, cache = _run(runner, policies.PoolPolicyBackend(tiny.cfg, "streaming"), dense, feed)
+  assert np.abs(got - want).max() > 1e-3
+
+
+def test_magicpig_reference_agrees_with_ffi(tiny, prefilled):
+  runner, dense, feed, _ = prefilled
+  cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(tiny.cfg.attention,
+                                                                    kind="magicpig"))
+  ref_be = policies.PoolPolicyBackend(cfg, "magicpig")
+  ffi_be = MagicPigBackend(cfg)
+  ref, ref_cache = _run(runner, ref_be, dense, feed)
+  ffi, ffi_cache = _run(runner, ffi_be, dense, feed)
+  np.testing.assert_allclose(ffi, ref, atol=2e-4)
+  f_ref, f_ffi = ref_be.stats(ref_cache)["pool_fraction"], ffi_be.stats(ffi_cache)["pool_fraction"]
+  assert 0 < f_ref < 1 and f_ref == pytest.approx(f_ffi, rel=1e-6)
+
+
+def test_probe_mode_keeps_dense_activations(tiny, prefilled):
+  runner, dense, feed, want = prefilled
+  be = policies.PoolPolicyBackend(tiny.cfg, "streaming")
+  got, cache = runner.teacher_force(be, policies.set_probe(runner.start(be, dense), True), feed)
+  np.testing.assert_allclose(got, want, atol=2e-4)
+  err = policies.layer_errors(cache)
+  assert err.shape == (2, 1) and np.all(err > 0) and np.all(err < 1.5)
+
+
+def test_harness_writes_json_report_and_resumes(tiny, tmp_path, monkeypatch):
+  docs = ["A long and winding road, number %d, leads to the door. " % i * 12 for i in range(4)]
+  methods = harness.expand_methods(["dense", "magicpig", "topk", "streaming"], [(4, 16)], [])
+  kw = dict(seed=0, span=8, error_tokens=3, free_tokens=3, progress=False)
+  h = harness.Harness(tiny.cfg, tiny.model, tiny.tokenizer, docs, tmp_path, **kw)
+  h.runner.chunk = 64
+  res = h.run(methods, [160], ["copy", "ppl", "passkey", "error"], 2)
+  recs = res["records"]
+  # copy and passkey x 2 protocols + ppl for 4 methods, error for 3; 2 examples each
+  assert len(recs) == 2 * (4 * 5 + 3)
+  assert res["budgets"]["160"]["4,16"]["k_keep"] >= 1
+  dense_copy = [r for r in recs if r["method"] == "dense" and r["task"] == "copy"]
+  assert all(r["kl"] == 0 and r["agree"] == 1 for r in dense_copy)
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert len(saved["records"]) == len(recs)
+
+  md = report.write(tmp_path)
+  assert "magicpig(4,16)" in md and (tmp_path / "results.md").exists()
+
+  h2 = harness.Harness(tiny.cfg, tiny.model, tiny.tokenizer, docs, tmp_path, **kw)
+  monkeypatch.setattr(h2.runner, "prefill",
+                      lambda *a, **k: pytest.fail("a finished run must not prefill again"))
+  res2 = h2.run(methods, [160], ["copy", "ppl", "passkey", "error"], 2)
+  assert len(res2["records"]) == len(recs)
+
+
+def test_examples_are_deterministic():
+  enc = lambda s: [ord(c) % 250 + 3 for c in s]
+  docs = ["alpha beta gamma " * 40, "delta epsilon " * 50, "zeta eta theta " * 30]
+  a = tasks.passkey_batch(docs, enc, 300, range(2), seed=3)
+  b = tasks.passkey_batch(docs, enc, 300, range(2), seed=3)
+  np.testing.assert_array_equal(a.context, b.context)
+  assert a.info == b.info and a.context.shape[0] == 2
+  s = tasks.free_scores(np.array([[ord(c) for c in " 12345x"]]), [12345],
+                        lambda ids: "".join(chr(i) for i in ids))
+  assert s[0]["exact"]
