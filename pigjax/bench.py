@@ -52,18 +52,6 @@ def memory_bandwidth(mbytes: int = 512, threads: int = 0, repeats: int = 5) -> d
           "threads": threads or os.cpu_count()}
 
 
-def available_bytes() -> int:
-  """MemAvailable (bytes) from /proc/meminfo; a large number where there is no such file."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return 1 << 50
-
-
 def cpu_model() -> str:
   try:
     with open("/proc/cpuinfo") as f:

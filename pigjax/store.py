@@ -33,7 +33,7 @@ _FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _OPEN: weakref.WeakValueDictionary[int, HostKVStore] = weakref.WeakValueDictionary()
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
   """MemAvailable from /proc/meminfo, or None where there is no such file."""
   try:
     with open("/proc/meminfo") as f:
@@ -77,7 +77,7 @@ class HostKVStore:
       print(f"pigjax: host KV store up to {est / 2**30:.2f} GiB ({num_layers} layers x "
             f"{num_slots} slots x {num_kv_heads} kv heads x {capacity} tokens, {dtype} K/V, "
             f"{num_tables} tables of 2^{num_bits} buckets)")
-    avail = _available_bytes()
+    avail = available_bytes()
     if avail is not None and est > avail:
       raise MemoryError(
           f"The host KV store could need {est / 2**30:.2f} GiB (capacity {capacity} tokens x "

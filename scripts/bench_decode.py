@@ -91,7 +91,7 @@ def smollm2(res):
     store_need = HostKVStore.estimate_bytes(
         num_layers=len(backend.sparse_layers), num_slots=1, num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n)
-    avail = bench.available_bytes()
+    avail = store.available_bytes() or 1 << 50
     dtype = None
     for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
       need = store_need + itemsize * 2 * m.num_layers * m.num_kv_heads * capacity * m.head_dim
