@@ -16,7 +16,7 @@ import numpy as np
 
 from absl import app, flags
 
-from pigjax import bench, weights
+from pigjax import bench, store, weights
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
