@@ -16,7 +16,6 @@ Shape key: B batch   K kv heads   S cache positions   D head dim   N context tok
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import statistics
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pigjax import _pigjax_ffi, attention, lsh
-from pigjax.config import Config, ModelConfig, SamplingConfig
+from pigjax.config import ModelConfig, SamplingConfig
 from pigjax.engine import DenseBackend, Engine
 from pigjax.magicpig import MagicPigBackend, MagicPigCache
 from pigjax.model import apply_rope, rope_tables

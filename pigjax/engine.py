@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +57,23 @@ def _bucket(n: int, smallest: int) -> int:
   return max(smallest, 1 << (n - 1).bit_length())
 
 
+class Backend(Protocol):
+  """What the engine needs from an attention backend (DenseBackend, magicpig.MagicPigBackend,
+  eval.policies.PoolPolicyBackend)."""
+  compile_s: float  # seconds the backend spent compiling its own programs
+
+  def create_cache(self, batch: int, max_len: int, dtype) -> Any: ...
+  def prefill_attend(self, layer: int, q_BTHD, k_BTKD, v_BTKD, cache) -> tuple[Any, Any]: ...
+  def decode_attend(self, layer: int, q_BTHD, k_BTKD, v_BTKD, cache) -> tuple[Any, Any]: ...
+  def after_prefill(self, cache, lengths_B: np.ndarray) -> Any: ...
+  def after_step(self, cache) -> Any: ...
+  def stats(self, cache) -> dict: ...
+
+
 class Engine:
   """Runs a `Llama` with a given attention backend over batches of token-id prompts."""
 
-  def __init__(self, cfg: Config, model: Llama, backend: "Backend | None" = None):
+  def __init__(self, cfg: Config, model: Llama, backend: Backend | None = None):
     self.cfg = cfg
     self.model = model
     self.graphdef, self.params = nnx.split(model)

@@ -158,7 +158,6 @@ class MagicPigBackend:
     B = dense.lengths_B.shape[0]
     n_B = dense.lengths_B
     exact = a.sink + a.window
-    X = exact + a.generated_buffer
     # Exact-buffer entry j < sink + window holds prompt position pos[b, j].
     j = jnp.arange(exact)
     short_B1 = (n_B <= exact)[:, None]

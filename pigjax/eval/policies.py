@@ -146,7 +146,6 @@ class PoolPolicyBackend:
     """(o_pool_BHD, lse_pool_BH, count_BH): attention over the policy's subset of the pool."""
     a = self.cfg.attention
     B, H, _ = q_BHD.shape
-    K = k_BKSD.shape[1]
     valid_BKS = jnp.broadcast_to(pool_BS[:, None], k_BKSD.shape[:3])
     n_pool_BH = jnp.broadcast_to(jnp.sum(pool_BS, axis=-1, dtype=jnp.int32)[:, None], (B, H))
     if self.policy == "dense":
