@@ -67,6 +67,9 @@ def load_model_and_tokenizer(spec: str, progress: bool = True):
 
 def validate(cfg: Config) -> None:
   """Cheap checks that run before any weight is read."""
+  if not cfg.checkpoint:
+    raise ValueError("config.checkpoint is empty: set --config.checkpoint to 'smollm2', a .gguf "
+                     "file, a Hugging Face Llama directory or a pigjax Orbax checkpoint.")
   if cfg.dtype not in _DTYPES:
     raise ValueError(f"Unknown dtype {cfg.dtype!r}; use one of {sorted(_DTYPES)}.")
   if cfg.attention.kind not in ("dense", "magicpig"):

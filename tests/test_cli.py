@@ -50,6 +50,8 @@ def test_cli_rejects_bad_input(tiny_dir):
   out = run_cli("--config=configs/tiny.py", "--config.attention.no_such_key=3", "--prompt=x",
                 check=False)
   assert out.returncode != 0 and "no_such_key" in out.stderr
+  out = run_cli("--config=configs/llama31_8b.py", "--prompt=x", check=False)
+  assert out.returncode != 0 and "config.checkpoint is empty" in out.stderr
 
 
 def test_unknown_config_key_is_named():
