@@ -166,9 +166,13 @@ def _handle_operand(handle) -> tuple[jax.Array, HostKVStore | None]:
   return jnp.asarray(handle, jnp.int32), store
 
 
-def _check_layer(layer) -> int:
+def _check_layer(layer, store: "HostKVStore | None") -> int:
+  """A static int layer, in range when the store is known here."""
   if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool):
     raise ValueError(f"layer must be a static Python int, got {type(layer).__name__}.")
+  if store is not None and not 0 <= layer < store.num_layers:
+    raise ValueError(f"layer {layer} is out of range: the store has {store.num_layers} sparse "
+                     f"layers.")
   return int(layer)
 
 
@@ -202,8 +206,8 @@ def store_insert(handle, layer: int, slots_B, k_BKTD, v_BKTD, codes_BKTL, length
   Returns:
     int32[B]: the new pool size of each row; pass it to `store_attend` as `dep`.
   """
-  layer = _check_layer(layer)
   h, store = _handle_operand(handle)
+  layer = _check_layer(layer, store)
   slots_B, k_BKTD, v_BKTD, codes_BKTL, lengths_B, mu_BKD = map(
       jnp.asarray, (slots_B, k_BKTD, v_BKTD, codes_BKTL, lengths_B, mu_BKD))
   if k_BKTD.ndim != 4:
@@ -219,9 +223,6 @@ def store_insert(handle, layer: int, slots_B, k_BKTD, v_BKTD, codes_BKTL, length
     raise ValueError(f"codes has shape {tuple(codes_BKTL.shape)} but expected "
                      f"{(B, K, T)} + (num_tables,).")
   if store is not None:
-    if not 0 <= layer < store.num_layers:
-      raise ValueError(f"layer {layer} is out of range: the store has {store.num_layers} sparse "
-                       f"layers.")
     _check_shape("k", k_BKTD, (B, store.num_kv_heads, T, store.head_dim),
                  "[batch, num_kv_heads, tokens, head_dim] of the store")
     _check_shape("codes", codes_BKTL, (B, K, T, store.num_tables), "one code per table")
@@ -249,8 +250,8 @@ def store_attend(handle, layer: int, slots_B, q_BHD, q_codes_BHL,
   Returns:
     o_BHD f32 (0 where no candidate), lse_BH f32 (-inf where no candidate), count_BH int32.
   """
-  layer = _check_layer(layer)
   h, store = _handle_operand(handle)
+  layer = _check_layer(layer, store)
   slots_B, q_BHD, q_codes_BHL, dep = map(jnp.asarray, (slots_B, q_BHD, q_codes_BHL, dep))
   if q_BHD.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q_BHD.shape}.")
@@ -261,9 +262,6 @@ def store_attend(handle, layer: int, slots_B, q_BHD, q_codes_BHL,
     raise ValueError(f"q_codes has shape {tuple(q_codes_BHL.shape)} but expected "
                      f"{(B, H)} + (num_tables,).")
   if store is not None:
-    if not 0 <= layer < store.num_layers:
-      raise ValueError(f"layer {layer} is out of range: the store has {store.num_layers} sparse "
-                       f"layers.")
     if D != store.head_dim or H % store.num_kv_heads:
       raise ValueError(f"q has shape {tuple(q_BHD.shape)} but the store needs head_dim "
                        f"{store.head_dim} and a multiple of {store.num_kv_heads} query heads.")
