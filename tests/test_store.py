@@ -158,10 +158,13 @@ def test_empty_candidate_set():
     assert np.all(np.isfinite(lse)) and np.all(np.isfinite(o))
 
 
+@pytest.mark.parametrize("kernels", ["best", "scalar"])
 @pytest.mark.parametrize("num_bits,num_tables", [(1, 2), (4, 8), (10, 150), (16, 1000)])
-def test_kernel_log_collision_prob(num_bits, num_tables):
-  """The kernel's interpolated log u against the oracle's closed form/series (f32 both)."""
+def test_kernel_log_collision_prob(num_bits, num_tables, kernels, monkeypatch):
+  """The kernel's interpolated log u (AVX2 polynomials, or libm in the scalar fallback) against
+  the oracle's closed form/series (f32 both)."""
   from pigjax import _pigjax_ffi
+  monkeypatch.setenv("PIGJAX_KERNELS", kernels)
   cos = np.concatenate([np.linspace(-1, 1, 20001), 1 - np.logspace(-7, 0, 200),
                         -1 + np.logspace(-7, 0, 200)]).astype(np.float32)
   got = np.asarray(_pigjax_ffi.log_collision_prob(cos.tolist(), num_bits, num_tables))

@@ -324,7 +324,8 @@ NB_MODULE(_pigjax_ffi, m) {
     nb::gil_scoped_release release;
     return s->MemoryBytes();
   });
-  // The kernel's log u(cos) (interpolated table), for tests against pigjax/lsh.py.
+  // The kernel's log u(cos) (interpolated table; AVX2 or scalar as GetVecOps picks, so
+  // PIGJAX_KERNELS=scalar selects the scalar one), for tests against pigjax/lsh.py.
   m.def("log_collision_prob", [](const std::vector<float>& cos, int num_bits, int num_tables) {
     pigjax::StoreConfig c;
     c.num_layers = c.num_slots = c.num_kv_heads = c.head_dim = 1;
@@ -334,7 +335,7 @@ NB_MODULE(_pigjax_ffi, m) {
     Check(pigjax::CheckConfig(c));
     const pigjax::LogCollisionTable table(num_bits, num_tables);
     std::vector<float> out(cos.size());
-    for (size_t i = 0; i < cos.size(); ++i) out[i] = table(cos[i]);
+    pigjax::GetVecOps().log_us(cos.data(), static_cast<int64_t>(cos.size()), table, out.data());
     return out;
   });
   m.def("store_set_profiling", [](int64_t h, bool on) {

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -27,14 +26,6 @@ inline uint64_t NowNsKernel() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())
                                    .count());
-}
-
-// CPU time of the calling thread (profiling counters: unlike wall time it excludes time the
-// thread spent descheduled, so the phase split stays meaningful on a busy machine).
-inline uint64_t ThreadCpuNs() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return uint64_t(ts.tv_sec) * 1000000000u + uint64_t(ts.tv_nsec);
 }
 
 // bfloat16 as its raw bits; a distinct type so it cannot be confused with an integer.
@@ -62,98 +53,6 @@ inline bf16 ToBf16(float f) {
 template <typename T> T FromF32(float x);
 template <> inline float FromF32<float>(float x) { return x; }
 template <> inline bf16 FromF32<bf16>(float x) { return ToBf16(x); }
-
-// ---------------------------------------------------------------------------------------------
-// Vector primitives: dot(q, k) and o += w * v with q, o in f32 and k, v in f32 or bf16.
-
-namespace scalar {
-template <typename T>
-float Dot(const float* q, const T* k, int64_t d) {
-  float s = 0.f;
-  for (int64_t i = 0; i < d; ++i) s += q[i] * ToF32(k[i]);
-  return s;
-}
-template <typename T>
-void Axpy(float w, const T* v, float* o, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) o[i] += w * ToF32(v[i]);
-}
-}  // namespace scalar
-
-#ifdef PIGJAX_X86
-namespace avx2 {
-#define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
-
-PIGJAX_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-PIGJAX_AVX2 inline __m256 Load8(const bf16* p) {
-  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-PIGJAX_AVX2 inline float HSum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-template <typename T>
-PIGJAX_AVX2 float Dot(const float* q, const T* k, int64_t d) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    a0 = _mm256_fmadd_ps(Load8(q + i), Load8(k + i), a0);
-    a1 = _mm256_fmadd_ps(Load8(q + i + 8), Load8(k + i + 8), a1);
-  }
-  for (; i + 8 <= d; i += 8) a0 = _mm256_fmadd_ps(Load8(q + i), Load8(k + i), a0);
-  float s = HSum(_mm256_add_ps(a0, a1));
-  for (; i < d; ++i) s += q[i] * ToF32(k[i]);
-  return s;
-}
-template <typename T>
-PIGJAX_AVX2 void Axpy(float w, const T* v, float* o, int64_t d) {
-  const __m256 ww = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ww, Load8(v + i), Load8(o + i)));
-  }
-  for (; i < d; ++i) o[i] += w * ToF32(v[i]);
-}
-#undef PIGJAX_AVX2
-}  // namespace avx2
-#endif  // PIGJAX_X86
-
-struct VecOps {
-  const char* isa;
-  float (*dot_f32)(const float*, const float*, int64_t);
-  float (*dot_bf16)(const float*, const bf16*, int64_t);
-  void (*axpy_f32)(float, const float*, float*, int64_t);
-  void (*axpy_bf16)(float, const bf16*, float*, int64_t);
-
-  float Dot(const float* q, const float* k, int64_t d) const { return dot_f32(q, k, d); }
-  float Dot(const float* q, const bf16* k, int64_t d) const { return dot_bf16(q, k, d); }
-  void Axpy(float w, const float* v, float* o, int64_t d) const { axpy_f32(w, v, o, d); }
-  void Axpy(float w, const bf16* v, float* o, int64_t d) const { axpy_bf16(w, v, o, d); }
-};
-
-inline VecOps ScalarVecOps() {
-  return VecOps{"scalar", &scalar::Dot<float>, &scalar::Dot<bf16>, &scalar::Axpy<float>,
-                &scalar::Axpy<bf16>};
-}
-
-// The best primitives this CPU supports. PIGJAX_KERNELS=scalar in the environment forces the
-// portable fallback (for tests and for comparing the two).
-inline const VecOps& GetVecOps() {
-  static const VecOps scalar_ops = ScalarVecOps();
-#ifdef PIGJAX_X86
-  static const VecOps avx2_ops{"avx2", &avx2::Dot<float>, &avx2::Dot<bf16>, &avx2::Axpy<float>,
-                               &avx2::Axpy<bf16>};
-  static const bool has_avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  const char* force = std::getenv("PIGJAX_KERNELS");
-  if (has_avx2 && !(force && std::strcmp(force, "scalar") == 0)) return avx2_ops;
-#endif
-  return scalar_ops;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Sampling probability (step 6).
@@ -199,13 +98,17 @@ inline double LogCollisionProb(double cos, int num_bits, int num_tables) {
   return LogCollisionProbFromLogP(num_bits * std::log(p), num_tables);
 }
 
-// log u(cos) for one (num_bits, num_tables), about 4x faster than LogCollisionProb: float acos
-// and log give y = log P, and log u is interpolated linearly in y from a table. log u is smooth
-// in y (for P -> 0 it tends to the line log C(L,2) + 2y, used below the table), and with 2^14
-// intervals on [-40, 0] the interpolation error is below 1e-6 for every L (checked for L in
-// 2..1000), i.e. at float32 resolution.
+// log u(cos) for one (num_bits, num_tables): float acos and log give y = log P, and log u is
+// interpolated linearly in y from a table. log u is smooth in y (for P -> 0 it tends to the line
+// log C(L,2) + 2y, used below the table), and with 2^14 intervals on [-40, 0] the interpolation
+// error is below 1e-6 for every L (checked for L in 2..1000), i.e. at float32 resolution.
+// `operator()` is the scalar version; avx2::LogU8 below evaluates 8 at once the same way.
 class LogCollisionTable {
  public:
+  static constexpr int kSize = 1 << 14;
+  static constexpr double kLo = -40.0;                // P = e^-40: far below where L P matters
+  static constexpr float kLogFloor = -69.07755279f;  // log(kMinCollisionProb)
+
   LogCollisionTable(int num_bits, int num_tables)
       : num_bits_(static_cast<float>(num_bits)),
         log_pairs_(static_cast<float>(std::log(num_tables * (num_tables - 1.0) / 2.0))),
@@ -218,7 +121,6 @@ class LogCollisionTable {
   }
 
   float operator()(float cos) const {
-    constexpr float kLogFloor = -69.07755279f;  // log(kMinCollisionProb)
     const float p = 1.f - std::acos(std::min(1.f, std::max(-1.f, cos))) / static_cast<float>(M_PI);
     if (!(p > 0.f)) return kLogFloor;
     const float y = num_bits_ * std::log(p);
@@ -230,12 +132,322 @@ class LogCollisionTable {
     return std::max(table_[i] + f * (table_[i + 1] - table_[i]), kLogFloor);
   }
 
+  float num_bits() const { return num_bits_; }
+  float log_pairs() const { return log_pairs_; }
+  const float* data() const { return table_.data(); }
+
  private:
-  static constexpr int kSize = 1 << 14;
-  static constexpr double kLo = -40.0;  // P = e^-40: far below where L P matters
   float num_bits_, log_pairs_;
   std::vector<float> table_;  // log u at y = kLo * (1 - i / kSize)
 };
+
+// ---------------------------------------------------------------------------------------------
+// Vector primitives, each in a scalar and an AVX2+FMA version:
+//   Dot(q, k), Axpy(w, v, o)      q, o in f32; k, v rows in f32 or bf16.
+//   Scores(qk, norms, ...) -> max  s = q.k / sqrt(D) - log u(cos) for a chunk of candidates.
+//   ExpSum(s, n, m) -> sum         s = exp(s - m) in place.
+//   ScanMarks(mark, n, e, cand)    ids i < n with mark[i] == e, ascending.
+//   LogUs(cos, n, table, out)      out = log u(cos) (for tests; Scores inlines it).
+
+// Per-query constants of the score (DESIGN.md steps 6-7).
+struct ScoreParams {
+  float q_mu;    // q . mu: the centred-key cosine is (q.k - q.mu) / (|q| |k - mu|)
+  float q_norm;  // |q|
+  float scale;   // 1 / sqrt(D)
+};
+
+namespace scalar {
+template <typename T>
+float Dot(const float* q, const T* k, int64_t d) {
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += q[i] * ToF32(k[i]);
+  return s;
+}
+template <typename T>
+void Axpy(float w, const T* v, float* o, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) o[i] += w * ToF32(v[i]);
+}
+inline float Score(float qk, float norm, const ScoreParams& p, const LogCollisionTable& log_u) {
+  const float denom = p.q_norm * norm;
+  // A zero query or a key equal to the mean has no direction: treat it as orthogonal.
+  const float cos = denom > 0.f ? (qk - p.q_mu) / denom : 0.f;
+  return qk * p.scale - log_u(cos);
+}
+// s[c] = score of candidate c from its q.k (qk) and |k - mu| (norms); s may alias qk.
+inline float Scores(const float* qk, const float* norms, int64_t n, const ScoreParams& p,
+                    const LogCollisionTable& log_u, float* s) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < n; ++c) {
+    s[c] = Score(qk[c], norms[c], p, log_u);
+    m = std::max(m, s[c]);
+  }
+  return m;
+}
+inline float ExpSum(float* s, int64_t n, float m) {
+  float z = 0.f;
+  for (int64_t c = 0; c < n; ++c) z += (s[c] = std::exp(s[c] - m));
+  return z;
+}
+inline void LogUs(const float* cos, int64_t n, const LogCollisionTable& log_u, float* out) {
+  for (int64_t c = 0; c < n; ++c) out[c] = log_u(cos[c]);
+}
+// Branch-free: writes cand[count] for every i, so cand needs one slot past the last hit.
+inline int64_t ScanMarks(const uint8_t* mark, int64_t n, uint8_t e, int32_t* cand) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    cand[count] = static_cast<int32_t>(i);
+    count += (mark[i] == e);
+  }
+  return count;
+}
+}  // namespace scalar
+
+#ifdef PIGJAX_X86
+namespace avx2 {
+#define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
+
+PIGJAX_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+PIGJAX_AVX2 inline __m256 Load8(const bf16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+PIGJAX_AVX2 inline __m256 Set(float x) { return _mm256_set1_ps(x); }
+PIGJAX_AVX2 inline float HSum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+PIGJAX_AVX2 inline float HMax(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+template <typename T>
+PIGJAX_AVX2 float Dot(const float* q, const T* k, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    a0 = _mm256_fmadd_ps(Load8(q + i), Load8(k + i), a0);
+    a1 = _mm256_fmadd_ps(Load8(q + i + 8), Load8(k + i + 8), a1);
+  }
+  for (; i + 8 <= d; i += 8) a0 = _mm256_fmadd_ps(Load8(q + i), Load8(k + i), a0);
+  float s = HSum(_mm256_add_ps(a0, a1));
+  for (; i < d; ++i) s += q[i] * ToF32(k[i]);
+  return s;
+}
+template <typename T>
+PIGJAX_AVX2 void Axpy(float w, const T* v, float* o, int64_t d) {
+  const __m256 ww = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(ww, Load8(v + i), Load8(o + i)));
+  }
+  for (; i < d; ++i) o[i] += w * ToF32(v[i]);
+}
+
+// Elementary functions in float32, 8 lanes, to about 1 ulp: the classic Cephes polynomials
+// (S. L. Moshier's single-precision acosf/asinf, logf and expf), written out for AVX2.
+
+// acos(x) for x in [-1, 1]. |x| <= 1/2: pi/2 - asin(x); |x| > 1/2: acos(|x|) = 2 asin(r) with
+// r = sqrt((1 - |x|) / 2), and acos(-|x|) = pi - acos(|x|).
+PIGJAX_AVX2 inline __m256 Acos8(__m256 x) {
+  const __m256 sign = Set(-0.f), half = Set(0.5f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  const __m256 big = _mm256_cmp_ps(a, half, _CMP_GT_OQ);
+  const __m256 zb = _mm256_mul_ps(half, _mm256_sub_ps(Set(1.f), a));
+  const __m256 t = _mm256_blendv_ps(a, _mm256_sqrt_ps(zb), big);
+  const __m256 z = _mm256_blendv_ps(_mm256_mul_ps(a, a), zb, big);
+  __m256 poly = _mm256_fmadd_ps(Set(4.2163199048e-2f), z, Set(2.4181311049e-2f));
+  poly = _mm256_fmadd_ps(poly, z, Set(4.5470025998e-2f));
+  poly = _mm256_fmadd_ps(poly, z, Set(7.4953002686e-2f));
+  poly = _mm256_fmadd_ps(poly, z, Set(1.6666752422e-1f));
+  const __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(t, z), poly, t);  // asin(t)
+  const __m256 pi = Set(static_cast<float>(M_PI));
+  const __m256 small = _mm256_sub_ps(Set(static_cast<float>(M_PI_2)),
+                                     _mm256_or_ps(r, _mm256_and_ps(sign, x)));
+  const __m256 r2 = _mm256_add_ps(r, r);
+  const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_blendv_ps(small, _mm256_blendv_ps(r2, _mm256_sub_ps(pi, r2), neg), big);
+}
+
+// log(x) for finite x > 0 (normal): x = m 2^e with m in [sqrt(1/2), sqrt(2)).
+PIGJAX_AVX2 inline __m256 Log8(__m256 x) {
+  const __m256i xi = _mm256_castps_si256(x);
+  const __m256i ei = _mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  const __m256 big = _mm256_cmp_ps(m, Set(1.41421356237f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, Set(0.5f)), big);
+  const __m256 e = _mm256_add_ps(_mm256_cvtepi32_ps(ei), _mm256_and_ps(big, Set(1.f)));
+  const __m256 f = _mm256_sub_ps(m, Set(1.f));
+  const __m256 z = _mm256_mul_ps(f, f);
+  __m256 poly = _mm256_fmadd_ps(Set(7.0376836292e-2f), f, Set(-1.1514610310e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(1.1676998740e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(-1.2420140846e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(1.4249322787e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(-1.6668057665e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(2.0000714765e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(-2.4999993993e-1f));
+  poly = _mm256_fmadd_ps(poly, f, Set(3.3333331174e-1f));
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(poly, f), z);
+  y = _mm256_fmadd_ps(e, Set(-2.12194440e-4f), y);  // log 2 = 0.693359375 - 2.12194440e-4
+  y = _mm256_fnmadd_ps(Set(0.5f), z, y);
+  return _mm256_fmadd_ps(e, Set(0.693359375f), _mm256_add_ps(f, y));
+}
+
+// exp(x) for x <= 0; below -87.3 (where float32 exp leaves the normal range) it returns
+// exp(-87.3) ~ 1e-38 instead of a subnormal or 0, which no softmax sum can notice.
+PIGJAX_AVX2 inline __m256 Exp8(__m256 x) {
+  x = _mm256_max_ps(x, Set(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, Set(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, Set(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, Set(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 poly = _mm256_fmadd_ps(Set(1.9875691500e-4f), x, Set(1.3981999507e-3f));
+  poly = _mm256_fmadd_ps(poly, x, Set(8.3334519073e-3f));
+  poly = _mm256_fmadd_ps(poly, x, Set(4.1665795894e-2f));
+  poly = _mm256_fmadd_ps(poly, x, Set(1.6666665459e-1f));
+  poly = _mm256_fmadd_ps(poly, x, Set(5.0000001201e-1f));
+  const __m256 y = _mm256_fmadd_ps(poly, z, _mm256_add_ps(x, Set(1.f)));
+  const __m256i pow2 = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+// LogCollisionTable::operator() for 8 cosines, the same steps (table index in double).
+PIGJAX_AVX2 inline __m256 LogU8(__m256 cos, const LogCollisionTable& t) {
+  using LCT = LogCollisionTable;
+  cos = _mm256_min_ps(Set(1.f), _mm256_max_ps(Set(-1.f), cos));
+  const __m256 p = _mm256_sub_ps(Set(1.f), _mm256_div_ps(Acos8(cos), Set(static_cast<float>(M_PI))));
+  const __m256 valid = _mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_GT_OQ);
+  const __m256 y = _mm256_mul_ps(Set(t.num_bits()), Log8(_mm256_blendv_ps(Set(1.f), p, valid)));
+  // Below the table: the line log C(L,2) + 2y.
+  const __m256 line = _mm256_fmadd_ps(Set(2.f), y, Set(t.log_pairs()));
+  // Inside: x = (y - lo) * size / -lo in double, i = min(floor x, size - 1), f = x - i.
+  const __m256d k = _mm256_set1_pd(LCT::kSize / -LCT::kLo), lo = _mm256_set1_pd(LCT::kLo);
+  const __m256d x0 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y)), lo), k);
+  const __m256d x1 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)), lo), k);
+  const __m256d top = _mm256_set1_pd(LCT::kSize - 1), zero = _mm256_setzero_pd();
+  const __m256d i0 = _mm256_max_pd(zero, _mm256_min_pd(top, _mm256_floor_pd(x0)));
+  const __m256d i1 = _mm256_max_pd(zero, _mm256_min_pd(top, _mm256_floor_pd(x1)));
+  const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_sub_pd(x1, i1)),
+                                   _mm256_cvtpd_ps(_mm256_sub_pd(x0, i0)));
+  const __m256i idx = _mm256_set_m128i(_mm256_cvttpd_epi32(i1), _mm256_cvttpd_epi32(i0));
+  const __m256 a = _mm256_i32gather_ps(t.data(), idx, 4);
+  const __m256 b = _mm256_i32gather_ps(t.data() + 1, idx, 4);
+  const __m256 inside = _mm256_fmadd_ps(f, _mm256_sub_ps(b, a), a);
+  const __m256 below = _mm256_cmp_ps(y, Set(static_cast<float>(LCT::kLo)), _CMP_LT_OQ);
+  const __m256 r = _mm256_max_ps(_mm256_blendv_ps(inside, line, below), Set(LCT::kLogFloor));
+  return _mm256_blendv_ps(Set(LCT::kLogFloor), r, valid);
+}
+
+PIGJAX_AVX2 inline void LogUs(const float* cos, int64_t n, const LogCollisionTable& log_u,
+                               float* out) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, LogU8(_mm256_loadu_ps(cos + c), log_u));
+  for (; c < n; ++c) out[c] = log_u(cos[c]);
+}
+
+PIGJAX_AVX2 inline float Scores(const float* qk, const float* norms, int64_t n,
+                                const ScoreParams& p, const LogCollisionTable& log_u, float* s) {
+  __m256 vm = Set(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 vqk = _mm256_loadu_ps(qk + c);
+    const __m256 denom = _mm256_mul_ps(Set(p.q_norm), _mm256_loadu_ps(norms + c));
+    const __m256 pos = _mm256_cmp_ps(denom, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 cos = _mm256_and_ps(
+        pos, _mm256_div_ps(_mm256_sub_ps(vqk, Set(p.q_mu)), _mm256_blendv_ps(Set(1.f), denom, pos)));
+    const __m256 sc = _mm256_fmsub_ps(vqk, Set(p.scale), LogU8(cos, log_u));
+    _mm256_storeu_ps(s + c, sc);
+    vm = _mm256_max_ps(vm, sc);
+  }
+  float m = HMax(vm);
+  for (; c < n; ++c) {
+    s[c] = scalar::Score(qk[c], norms[c], p, log_u);
+    m = std::max(m, s[c]);
+  }
+  return m;
+}
+
+PIGJAX_AVX2 inline float ExpSum(float* s, int64_t n, float m) {
+  __m256 z = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 w = Exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), Set(m)));
+    _mm256_storeu_ps(s + c, w);
+    z = _mm256_add_ps(z, w);
+  }
+  float zs = HSum(z);
+  for (; c < n; ++c) zs += (s[c] = std::exp(s[c] - m));
+  return zs;
+}
+
+PIGJAX_AVX2 inline int64_t ScanMarks(const uint8_t* mark, int64_t n, uint8_t e, int32_t* cand) {
+  const __m256i ve = _mm256_set1_epi8(static_cast<char>(e));
+  int64_t count = 0, i = 0;
+  for (; i + 32 <= n; i += 32) {
+    uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mark + i)), ve)));
+    while (bits) {
+      cand[count++] = static_cast<int32_t>(i + __builtin_ctz(bits));
+      bits &= bits - 1;
+    }
+  }
+  for (; i < n; ++i) {
+    cand[count] = static_cast<int32_t>(i);
+    count += (mark[i] == e);
+  }
+  return count;
+}
+#undef PIGJAX_AVX2
+}  // namespace avx2
+#endif  // PIGJAX_X86
+
+struct VecOps {
+  const char* isa;
+  float (*dot_f32)(const float*, const float*, int64_t);
+  float (*dot_bf16)(const float*, const bf16*, int64_t);
+  void (*axpy_f32)(float, const float*, float*, int64_t);
+  void (*axpy_bf16)(float, const bf16*, float*, int64_t);
+  float (*scores)(const float*, const float*, int64_t, const ScoreParams&,
+                  const LogCollisionTable&, float*);
+  float (*exp_sum)(float*, int64_t, float);
+  int64_t (*scan_marks)(const uint8_t*, int64_t, uint8_t, int32_t*);
+  void (*log_us)(const float*, int64_t, const LogCollisionTable&, float*);
+
+  float Dot(const float* q, const float* k, int64_t d) const { return dot_f32(q, k, d); }
+  float Dot(const float* q, const bf16* k, int64_t d) const { return dot_bf16(q, k, d); }
+  void Axpy(float w, const float* v, float* o, int64_t d) const { axpy_f32(w, v, o, d); }
+  void Axpy(float w, const bf16* v, float* o, int64_t d) const { axpy_bf16(w, v, o, d); }
+};
+
+inline VecOps ScalarVecOps() {
+  return VecOps{"scalar", &scalar::Dot<float>, &scalar::Dot<bf16>, &scalar::Axpy<float>,
+                &scalar::Axpy<bf16>, &scalar::Scores, &scalar::ExpSum, &scalar::ScanMarks,
+                &scalar::LogUs};
+}
+
+// The best primitives this CPU supports. PIGJAX_KERNELS=scalar in the environment forces the
+// portable fallback (for tests and for comparing the two).
+inline const VecOps& GetVecOps() {
+  static const VecOps scalar_ops = ScalarVecOps();
+#ifdef PIGJAX_X86
+  static const VecOps avx2_ops{"avx2", &avx2::Dot<float>, &avx2::Dot<bf16>, &avx2::Axpy<float>,
+                               &avx2::Axpy<bf16>, &avx2::Scores, &avx2::ExpSum,
+                               &avx2::ScanMarks, &avx2::LogUs};
+  static const bool has_avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  const char* force = std::getenv("PIGJAX_KERNELS");
+  if (has_avx2 && !(force && std::strcmp(force, "scalar") == 0)) return avx2_ops;
+#endif
+  return scalar_ops;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Candidate collection (step 5).
@@ -244,6 +456,7 @@ class LogCollisionTable {
 // "seen once", == epoch + 1 "seen twice or more". Each query advances the epoch by 2. One byte
 // per pool token keeps the array cache-resident (128 KiB at 128k tokens; the walk hits it at
 // random), at the price of clearing it every 127 queries, which costs far less than one walk.
+// Only ids below the pool size are ever marked, so a scan over [0, n) sees this query's marks.
 struct CollisionCounter {
   std::vector<uint8_t> mark;  // [>= pool size]
   uint32_t epoch = 0;
@@ -261,18 +474,35 @@ struct CollisionCounter {
   }
 };
 
-// Appends to `cand` every pool token that shares the query's code in at least 2 tables; returns
-// the count. The caller has reserved the counter for the pool size. `offsets`: [L, 2^K + 1];
-// `ids[t][.]`: token ids of table t sorted by bucket; `codes`: the query's L codes, already
-// checked to lie in [0, 2^K). Branch-free: whether a token was seen is a coin flip per id, which
-// a branch would mispredict half the time.
-inline void CountCollisions(const int32_t* row, int32_t j, int32_t end, uint8_t* mark, uint8_t e,
-                            uint8_t e1, int32_t* cand, int64_t& count);
+// Marks every id of one bucket: seen once -> e, seen before -> e1. Branch-free: whether a token
+// was seen is a coin flip per id, which a branch would mispredict half the time.
+inline void MarkBucket(const int32_t* row, int32_t j, int32_t end, uint8_t* mark, uint8_t e,
+                       uint8_t e1) {
+  for (; j < end; ++j) {
+    const int32_t i = row[j];
+    mark[i] = mark[i] >= e ? e1 : e;
+  }
+}
+
+// Requests a bucket's ids (up to 16 cache lines) ahead of its walk. A bucket is a few lines
+// somewhere in a large table: left to the hardware prefetcher, each line would be a DRAM miss.
+inline void PrefetchBucket(const int32_t* row, int32_t begin, int32_t end) {
+  const char* p = reinterpret_cast<const char*>(row + begin);
+  const char* stop = reinterpret_cast<const char*>(row + std::min(end, begin + 16 * 16));
+  for (; p < stop; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 constexpr int kMaxTablesOnStack = 256;
 
+// Writes to `cand`, in ascending order, every pool token (id < n) that shares the query's code in
+// at least 2 tables; returns the count. Ascending ids make the later K/V gathers walk memory
+// forwards. The caller has reserved the counter for n and `cand` for n + 1 ids.
+// `offsets`: [L, 2^K + 1]; `ids[t][.]`: token ids of table t sorted by bucket; `codes`: the
+// query's L codes, already checked to lie in [0, 2^K).
 template <typename Tables>
-int64_t CollectCandidates(const int32_t* offsets, const Tables& ids, const int32_t* codes,
-                          int num_bits, int num_tables, CollisionCounter& counter, int32_t* cand) {
+int64_t CollectCandidates(const VecOps& ops, const int32_t* offsets, const Tables& ids,
+                          const int32_t* codes, int num_bits, int num_tables, int64_t n,
+                          CollisionCounter& counter, int32_t* cand) {
   counter.NextQuery();
   const uint8_t e = static_cast<uint8_t>(counter.epoch), e1 = static_cast<uint8_t>(e + 1);
   uint8_t* mark = counter.mark.data();
@@ -281,7 +511,6 @@ int64_t CollectCandidates(const int32_t* offsets, const Tables& ids, const int32
   // (independent loads that overlap), then walk with the next tables' buckets prefetched.
   constexpr int kAhead = 4;
   int32_t begin[kMaxTablesOnStack], end[kMaxTablesOnStack];
-  int64_t count = 0;
   for (int t0 = 0; t0 < num_tables; t0 += kMaxTablesOnStack) {
     const int nt = std::min(num_tables - t0, kMaxTablesOnStack);
     for (int t = 0; t < nt; ++t) {
@@ -290,29 +519,16 @@ int64_t CollectCandidates(const int32_t* offsets, const Tables& ids, const int32
       end[t] = off[1];
     }
     for (int t = 0; t < std::min(nt, kAhead); ++t) {
-      __builtin_prefetch(ids[t0 + t].data() + begin[t], 0, 3);
+      PrefetchBucket(ids[t0 + t].data(), begin[t], end[t]);
     }
     for (int t = 0; t < nt; ++t) {
       if (t + kAhead < nt) {
-        const int32_t* r = ids[t0 + t + kAhead].data();
-        __builtin_prefetch(r + begin[t + kAhead], 0, 3);
-        __builtin_prefetch(r + begin[t + kAhead] + 16, 0, 3);
+        PrefetchBucket(ids[t0 + t + kAhead].data(), begin[t + kAhead], end[t + kAhead]);
       }
-      CountCollisions(ids[t0 + t].data(), begin[t], end[t], mark, e, e1, cand, count);
+      MarkBucket(ids[t0 + t].data(), begin[t], end[t], mark, e, e1);
     }
   }
-  return count;
-}
-
-inline void CountCollisions(const int32_t* row, int32_t j, int32_t end, uint8_t* mark, uint8_t e,
-                            uint8_t e1, int32_t* cand, int64_t& count) {
-    for (; j < end; ++j) {
-      const int32_t i = row[j];
-      const uint8_t m = mark[i];
-      mark[i] = m >= e ? e1 : e;
-      cand[count] = i;
-      count += (m == e);
-    }
+  return ops.scan_marks(mark, n, e1, cand);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,9 +542,16 @@ struct PoolView {
   int64_t n;
 };
 
-// How many candidates ahead the gather loops prefetch: rows are scattered over the pool, so
-// each is a cache miss unless requested early (about a DRAM latency's worth of work ahead).
-constexpr int64_t kPrefetchAhead = 8;
+// Candidates are processed in chunks: gather K rows and score the chunk (vectorised log u),
+// then exp and accumulate its V rows, rescaling the running sum when the maximum grows (as in
+// flash attention). A chunk's V rows are prefetched together with its K rows, so they are in
+// cache by the time the chunk's second half needs them.
+constexpr int64_t kChunk = 64;
+// How many candidates ahead the gather prefetches: rows are scattered over the pool, so each is
+// a cache miss unless requested early (about a DRAM latency's worth of work ahead).
+constexpr int64_t kPrefetchAhead = 16;
+// Scratch floats SampledAttention needs.
+constexpr int64_t kAttentionScratch = 2 * kChunk;
 
 template <typename T>
 inline void PrefetchRow(const T* row, int64_t d) {
@@ -336,58 +559,61 @@ inline void PrefetchRow(const T* row, int64_t d) {
   for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-// o[D] and *lse for one query over candidate rows `cand[0..count)`. `score` is scratch of
-// size >= count. Raw keys in the logits (centred keys only in the cosine; DESIGN.md step 2).
-// Two passes (scores and max, then exp and V): a one-pass online softmax was measured slower,
-// as its iterations depend on each other through the running max.
-// split_ns (optional, profiling): += the thread CPU time of the score and the softmax pass.
+// o[D] and *lse for one query over candidate rows `cand[0..count)`. `scratch`: >=
+// kAttentionScratch floats. Raw keys in the logits (centred keys only in the cosine; DESIGN.md
+// step 2). split_ns (optional, profiling): += wall time of the score and the softmax phases.
 template <typename T>
 void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
                       const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
-                      float* score, float* o, float* lse, uint64_t* split_ns = nullptr) {
+                      float* scratch, float* o, float* lse, uint64_t* split_ns = nullptr) {
   std::fill(o, o + d, 0.f);
   if (count == 0) {
     *lse = -std::numeric_limits<float>::infinity();
     return;
   }
-  const uint64_t t0 = split_ns ? ThreadCpuNs() : 0;
   const T* k = static_cast<const T*>(pool.k);
   const T* v = static_cast<const T*>(pool.v);
-  const float q_norm = std::sqrt(ops.Dot(q, q, d));
-  const float q_mu = ops.Dot(q, pool.mu, d);
-  const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < count; ++c) {
-    if (c + kPrefetchAhead < count) {
-      const int64_t ahead = cand[c + kPrefetchAhead];
-      PrefetchRow(k + ahead * d, d);
-      __builtin_prefetch(pool.norms + ahead, 0, 3);
+  const ScoreParams params{ops.Dot(q, pool.mu, d), std::sqrt(ops.Dot(q, q, d)),
+                           1.f / std::sqrt(static_cast<float>(d))};
+  float* s = scratch;              // [kChunk]: q.k, then scores, then weights
+  float* norm = scratch + kChunk;  // [kChunk]
+  float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+  for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
+    const int64_t nc = std::min(kChunk, count - c0);
+    const uint64_t t0 = split_ns ? NowNsKernel() : 0;
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t c = c0 + j;
+      if (c + kPrefetchAhead < count) {
+        const int64_t ahead = cand[c + kPrefetchAhead];
+        PrefetchRow(k + ahead * d, d);
+        PrefetchRow(v + ahead * d, d);
+        __builtin_prefetch(pool.norms + ahead, 0, 3);
+      }
+      const int64_t i = cand[c];
+      s[j] = ops.Dot(q, k + i * d, d);
+      norm[j] = pool.norms[i];
     }
-    const int64_t i = cand[c];
-    const float qk = ops.Dot(q, k + i * d, d);
-    const float denom = q_norm * pool.norms[i];
-    // A zero query or a key equal to the mean has no direction: treat it as orthogonal.
-    const float cos = denom > 0.f ? (qk - q_mu) / denom : 0.f;
-    const float s = qk * scale - log_u(cos);
-    score[c] = s;
-    m = std::max(m, s);
-  }
-  const uint64_t t1 = split_ns ? ThreadCpuNs() : 0;
-  float z = 0.f;
-  for (int64_t c = 0; c < count; ++c) {
-    if (c + kPrefetchAhead < count) PrefetchRow(v + int64_t{cand[c + kPrefetchAhead]} * d, d);
-    const float w = std::exp(score[c] - m);
-    z += w;
-    ops.Axpy(w, v + static_cast<int64_t>(cand[c]) * d, o, d);
+    const float mc = ops.scores(s, norm, nc, params, log_u, s);
+    const uint64_t t1 = split_ns ? NowNsKernel() : 0;
+    if (mc > m) {
+      if (z > 0.f) {
+        const float r = std::exp(m - mc);
+        z *= r;
+        for (int64_t e = 0; e < d; ++e) o[e] *= r;
+      }
+      m = mc;
+    }
+    z += ops.exp_sum(s, nc, m);
+    for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], v + int64_t{cand[c0 + j]} * d, o, d);
+    if (split_ns) {
+      const uint64_t t2 = NowNsKernel();
+      split_ns[0] += t1 - t0;
+      split_ns[1] += t2 - t1;
+    }
   }
   const float inv_z = 1.f / z;
   for (int64_t j = 0; j < d; ++j) o[j] *= inv_z;
   *lse = m + std::log(z);
-  if (split_ns) {
-    const uint64_t t2 = ThreadCpuNs();
-    split_ns[0] += t1 - t0;
-    split_ns[1] += t2 - t1;
-  }
 }
 
 }  // namespace pigjax

@@ -86,7 +86,7 @@ inline std::string CheckConfig(const StoreConfig& c) {
 
 // Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
 inline uint64_t ScratchBytes(const StoreConfig& c) {
-  return uint64_t(c.capacity) * 9 + uint64_t(c.head_dim) * 4 +
+  return uint64_t(c.capacity) * 5 + uint64_t(kAttentionScratch + c.head_dim) * 4 +
          ((uint64_t{1} << c.num_bits) + 1) * 4;
 }
 
@@ -163,9 +163,9 @@ struct AttendArgs {
 };
 
 // Kernel counters (nanoseconds and counts), summed over calls and workers. Phases per query
-// head (thread CPU time): lookup (bucket walk + collision counting), score (gather K rows, q.k, log u), softmax
-// (exp, gather V rows, accumulate). Bytes are what the kernel must read: ids walked, and per
-// candidate its K and V rows and its norm.
+// head (wall time of the worker): lookup (bucket walk, collision marks, scan for candidates),
+// score (gather K rows, q.k, log u), softmax (exp, gather V rows, accumulate). Bytes are what
+// the kernel must read: ids walked, and per candidate its K and V rows and its norm.
 struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
@@ -497,9 +497,9 @@ inline std::string Store::Attend(const AttendArgs& a) {
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
-      // + 1: the branch-free lookup writes one slot past the last candidate.
+      // + 1: the branch-free scan writes one slot past the last candidate.
       if (s.cand.size() < size_t(max_n) + 1) s.cand.resize(max_n + 1);
-      if (s.score.size() < size_t(max_n)) s.score.resize(max_n);
+      s.score.resize(kAttentionScratch);
       s.q.resize(d);
     }
   } catch (const std::bad_alloc&) {
@@ -523,12 +523,12 @@ inline std::string Store::Attend(const AttendArgs& a) {
                                         : ToF32(static_cast<const bf16*>(a.q)[i * d + e]);
     }
     const int32_t* qcodes = a.codes + i * c.num_tables;
-    const uint64_t t0 = prof ? ThreadCpuNs() : 0;
-    const int64_t count = CollectCandidates(p.offsets.data(), p.ids, qcodes, c.num_bits,
-                                            c.num_tables, s.counter, s.cand.data());
+    const uint64_t t0 = prof ? NowNs() : 0;
+    const int64_t count = CollectCandidates(ops_, p.offsets.data(), p.ids, qcodes, c.num_bits,
+                                            c.num_tables, p.n, s.counter, s.cand.data());
     uint64_t split[2] = {0, 0};
     if (prof) {
-      s.prof.lookup_ns += ThreadCpuNs() - t0;
+      s.prof.lookup_ns += NowNs() - t0;
       uint64_t walked = 0;
       for (int t = 0; t < c.num_tables; ++t) {
         const int32_t* off = p.offsets.data() + t * (nb + 1);
