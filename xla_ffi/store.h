@@ -497,8 +497,8 @@ inline std::string Store::Attend(const AttendArgs& a) {
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
-      // + 1: the branch-free scan writes one slot past the last candidate.
-      if (s.cand.size() < size_t(max_n) + 1) s.cand.resize(max_n + 1);
+      // The branch-free scan writes past the last candidate.
+      if (s.cand.size() < size_t(max_n + kScanSlack)) s.cand.resize(max_n + kScanSlack);
       s.score.resize(kAttentionScratch);
       s.q.resize(d);
     }
