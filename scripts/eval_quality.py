@@ -25,7 +25,8 @@ _BUDGETS = flags.DEFINE_list("budgets", ["10:150", "9:120", "8:75"],
                              "num_bits:num_tables pairs for magicpig (topk/quest are matched).")
 _FFI_BUDGETS = flags.DEFINE_list("ffi_budgets", ["10:150"], "Budgets for the FFI path.")
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096"], "Context lengths in tokens.")
-_TASKS = flags.DEFINE_list("tasks", ["copy", "ppl", "passkey", "error"], "Tasks to run.")
+_TASKS = flags.DEFINE_list("tasks", ["copy", "ppl", "passkey", "error"],
+                          "Tasks to run: some of copy, ppl, passkey, multikey, error.")
 _EXAMPLES = flags.DEFINE_integer("examples", 3, "Examples per task and length (one batch).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the examples.")
 _SPAN = flags.DEFINE_integer("span", 32, "Teacher-forced tokens of the copy and ppl tasks.")

@@ -113,6 +113,10 @@ def test_harness_writes_json_report_and_resumes(tiny, tmp_path, monkeypatch):
   recs = res["records"]
   # copy and passkey x 2 protocols + ppl for 4 methods, error for 3; 2 examples each
   assert len(recs) == 2 * (4 * 5 + 3)
+  # Four needles need a longer context (byte-level tokenizer): 2 protocols x 4 methods x 2.
+  res = h.run(methods, [520], ["multikey"], 2)
+  recs = res["records"]
+  assert len([r for r in recs if r["task"] == "multikey"]) == 2 * 4 * 2
   assert res["budgets"]["160"]["4,16"]["k_keep"] >= 1
   dense_copy = [r for r in recs if r["method"] == "dense" and r["task"] == "copy"]
   assert all(r["kl"] == 0 and r["agree"] == 1 for r in dense_copy)
@@ -121,12 +125,16 @@ def test_harness_writes_json_report_and_resumes(tiny, tmp_path, monkeypatch):
 
   md = report.write(tmp_path)
   assert "magicpig(4,16)" in md and (tmp_path / "results.md").exists()
+  assert "multikey forced" in md
 
   h2 = harness.Harness(tiny.cfg, tiny.model, tiny.tokenizer, docs, tmp_path, **kw)
   monkeypatch.setattr(h2.runner, "prefill",
                       lambda *a, **k: pytest.fail("a finished run must not prefill again"))
-  res2 = h2.run(methods, [160], ["copy", "ppl", "passkey", "error"], 2)
+  h2.run(methods, [160], ["copy", "ppl", "passkey", "error"], 2)
+  res2 = h2.run(methods, [520], ["multikey"], 2)
   assert len(res2["records"]) == len(recs)
+  with pytest.raises(ValueError, match="Unknown task"):
+    h2.run(methods, [160], ["needle"], 2)
 
 
 def test_examples_are_deterministic():
@@ -136,6 +144,18 @@ def test_examples_are_deterministic():
   b = tasks.passkey_batch(docs, enc, 300, range(2), seed=3)
   np.testing.assert_array_equal(a.context, b.context)
   assert a.info == b.info and a.context.shape[0] == 2
+  m1 = tasks.multikey_batch(docs, enc, 600, range(3), seed=3)
+  m2 = tasks.multikey_batch(docs, enc, 600, range(3), seed=3)
+  np.testing.assert_array_equal(m1.context, m2.context)
+  np.testing.assert_array_equal(m1.query, m2.query)
+  assert m1.info == m2.info
+  for b, info in enumerate(m1.info):
+    text = "".join(chr((i - 3) % 250) for i in m1.context[b])  # enc is invertible on ASCII
+    assert len(set(info["keys"])) == 4 and info["key"] in info["keys"]
+    for name, key in zip(tasks.MULTI_NAMES, info["keys"]):
+      assert f"pass key of door {name} is {key}" in text
+    assert f"door {info['name']}?" in "".join(chr((i - 3) % 250) for i in m1.query[b])
+    assert [chr((i - 3) % 250) for i in m1.answer[b]] == list(f" {info['key']}")
   s = tasks.free_scores(np.array([[ord(c) for c in " 12345x"]]), [12345],
                         lambda ids: "".join(chr(i) for i in ids))
   assert s[0]["exact"]

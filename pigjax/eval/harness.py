@@ -27,6 +27,7 @@ from pigjax.magicpig import MagicPigBackend
 
 BUDGETED = ("magicpig", "magicpig_ffi", "topk", "quest")
 ORDER = ("dense", "magicpig", "magicpig_ffi", "topk", "quest", "streaming")
+TASKS = ("copy", "ppl", "passkey", "multikey", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +133,16 @@ class Harness:
   # -- the loop -----------------------------------------------------------------------------
 
   def run(self, methods: list[Method], lengths, task_names, examples: int) -> dict:
+    bad = [t for t in task_names if t not in TASKS]
+    if bad:
+      raise ValueError(f"Unknown task(s) {bad}; use some of {TASKS}.")
     t_start = time.time()
     for length in lengths:
       if {"copy", "ppl", "error"} & set(task_names):
         self._doc_group(methods, length, task_names, examples)
-      if "passkey" in task_names:
-        self._passkey_group(methods, length, examples)
+      for task in ("passkey", "multikey"):
+        if task in task_names:
+          self._passkey_group(methods, length, examples, task)
     self.results["runs"].append({"seconds": round(time.time() - t_start, 1)})
     self._save()
     return self.results
@@ -241,12 +246,14 @@ class Harness:
 
     self._methods_loop(methods, length, examples, jobs, run_job, f"doc (prefill {prefill_s:.0f}s)")
 
-  def _passkey_group(self, methods, length, examples):
+  def _passkey_group(self, methods, length, examples, task="passkey"):
+    """passkey or multikey: needles in real text, a question, a 5-digit answer."""
     a = self.cfg.attention
-    jobs = [("passkey", "strict", ()), ("passkey", "paper", ())]
+    jobs = [(task, "strict", ()), (task, "paper", ())]
     if not self._todo(methods, length, examples, jobs):
       return
-    batch = tasks.passkey_batch(self.docs, self.tok.encode, length, range(examples), self.seed)
+    make = tasks.passkey_batch if task == "passkey" else tasks.multikey_batch
+    batch = make(self.docs, self.tok.encode, length, range(examples), self.seed)
     N, Q = batch.context.shape[1], batch.query.shape[1]
     keys = [i["key"] for i in batch.info]
     t0 = time.time()
@@ -286,14 +293,14 @@ class Harness:
       first_ok = np.argmax(lp[:, 0], axis=-1) == ans[:, 0]
       free = tasks.free_scores(gen, keys, self.tok.decode)
       secs = round(time.time() - t1, 1)
-      return [self._record("passkey", protocol, length, e, m, frac, seconds=secs,
+      return [self._record(task, protocol, length, e, m, frac, seconds=secs,
                            pool=pool[protocol], key=keys[e], depth=batch.info[e]["depth"],
                            **forced[e], first_top1=bool(first_ok[e]),
                            free_exact=free[e]["exact"], free_text=free[e]["text"])
               for e in range(examples)]
 
     self._methods_loop(methods, length, examples, jobs, run_job,
-                       f"passkey (prefill {prefill_s:.0f}s)")
+                       f"{task} (prefill {prefill_s:.0f}s)")
 
   def _dense_backend(self):
     if "dense" not in self._backends:

@@ -35,12 +35,13 @@ def summarise(records) -> dict:
       if task == "copy":
         s["copy_top1"] = _mean(r["top1"] for r in rs)
         s["cost_copy"] = _mean(r["fraction"] for r in rs)
-      elif task == "passkey":
-        s["pk_forced"] = _mean(r["exact"] for r in rs)
-        s["pk_digits"] = _mean(r["top1"] for r in rs)
-        s["pk_free"] = _mean(r["free_exact"] for r in rs)
-        s["pk_logprob"] = _mean(r["gold_logprob"] for r in rs)
-        s["n"] = len(rs)
+      elif task in ("passkey", "multikey"):
+        pre = "pk" if task == "passkey" else "mk"
+        s[f"{pre}_forced"] = _mean(r["exact"] for r in rs)
+        s[f"{pre}_digits"] = _mean(r["top1"] for r in rs)
+        s[f"{pre}_free"] = _mean(r["free_exact"] for r in rs)
+        s[f"{pre}_logprob"] = _mean(r["gold_logprob"] for r in rs)
+        s[f"{pre}_n"] = len(rs)
       elif task == "ppl":
         s["ppl_nll"] = _mean(r["nll"] for r in rs)
       elif task == "error":
@@ -74,6 +75,7 @@ def tables(results) -> str:
   s = summarise(records)
   lengths = sorted({r["length"] for r in records})
   methods = _method_order(records)
+  multikey = any(r["task"] == "multikey" for r in records)
   lines = ["### Matched budgets (magicpig's measured attended fraction of the pool)", "",
            "| length | (num_bits,num_tables) | measured fraction | measured on | topk k | quest pages |",
            "| --- | --- | --- | --- | --- | --- |"]
@@ -86,19 +88,19 @@ def tables(results) -> str:
     head = ["method"]
     for length in lengths:
       k = _L(length)
-      head += [f"cost {k}", f"copy top-1 {k}", f"passkey forced {k}", f"passkey free {k}",
-               f"ppl NLL {k}", f"KL {k}", f"top-1 agree {k}"]
+      head += [f"cost {k}", f"copy top-1 {k}", f"passkey forced {k}", f"passkey free {k}"]
+      head += [f"multikey forced {k}", f"multikey free {k}"] if multikey else []
+      head += [f"ppl NLL {k}", f"KL {k}", f"top-1 agree {k}"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for m in methods:
       row = [m]
       for length in lengths:
         x = s.get((protocol, length, m), {})
-        pk = x.get("pk_forced")
-        n = x.get("n")
-        row += [_fmt(x.get("cost"), True), _fmt(x.get("copy_top1")),
-                f"{round(pk * n)}/{n}" if pk is not None else "-",
-                f"{round(x['pk_free'] * n)}/{n}" if pk is not None else "-",
-                _fmt(x.get("ppl_nll")), _fmt(x.get("kl"), digits=4), _fmt(x.get("agree"))]
+        row += [_fmt(x.get("cost"), True), _fmt(x.get("copy_top1"))]
+        for pre in ("pk", "mk") if multikey else ("pk",):
+          n = x.get(f"{pre}_n")
+          row += [f"{round(x[f'{pre}_{what}'] * n)}/{n}" if n else "-" for what in ("forced", "free")]
+        row += [_fmt(x.get("ppl_nll")), _fmt(x.get("kl"), digits=4), _fmt(x.get("agree"))]
       lines.append("| " + " | ".join(row) + " |")
   lines += ["", "### Attention-output error (relative L2 vs dense, dense activations)", "",
             "| method | " + " | ".join(f"mean error {_L(l)} | layers <= magicpig {_L(l)}"

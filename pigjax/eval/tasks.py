@@ -13,6 +13,9 @@ batch have identical token counts, so a batch shares one compiled step.
            query "What is the pass key? The pass key is"; answer " NNNNN" (digits split).
            Forced (the leading space forced with the prefix; teacher-forced digits: exact match,
            digit accuracy, gold log-prob) and free-form (greedy, digit-restricted exact match).
+  multikey four needles "The pass key of door A is NNNNN. ..." (doors A-D, distinct keys) at
+           random depths in random order; the query asks for one door's key.
+           Scored like passkey (retrieval of the right needle among similar ones).
   error    dense activations fed over the ppl answer; relative L2 error of each sparse layer's
            attention output against dense (see policies.py, probe mode).
 """
@@ -28,6 +31,11 @@ from pigjax.eval import data
 COPY_START, COPY_CUE = 32, 8
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+MULTI_NEEDLE = "\nThe pass key of door {name} is {key}. Remember it. {key} opens door {name}.\n"
+MULTI_QUESTION = "\nWhat is the pass key of door {name}? The pass key of door {name} is"
+MULTI_NAMES = ("A", "B", "C", "D")
 
 
 @dataclasses.dataclass
@@ -77,6 +85,42 @@ def passkey_batch(docs, encode, length: int, examples: range, seed: int) -> Batc
                  "context_tokens": len(ctx[-1])})
   return Batch(np.array(ctx, np.int32), np.array([q] * len(ctx), np.int32),
                np.array(ans, np.int32), info)
+
+
+def multikey_batch(docs, encode, length: int, examples: range, seed: int) -> Batch:
+  """Needles for every name in MULTI_NAMES with distinct keys; the query names one of them.
+
+  The questions of all names must encode to the same number of tokens (one batch, one query
+  length); a tokenizer for which they do not is refused."""
+  questions = [encode(MULTI_QUESTION.format(name=n)) for n in MULTI_NAMES]
+  if len({len(q) for q in questions}) != 1:
+    raise ValueError("multikey: the questions for " + ", ".join(MULTI_NAMES) + " encode to "
+                     f"{[len(q) for q in questions]} tokens; they must be equally long.")
+  ctx, qs, ans, info = [], [], [], []
+  for e in examples:
+    rng = _rng(seed, length, e, 2)
+    keys = [int(k) for k in rng.choice(np.arange(10000, 100000), len(MULTI_NAMES), replace=False)]
+    target = int(rng.integers(len(MULTI_NAMES)))
+    needles = [encode(MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(MULTI_NAMES, keys)]
+    order = rng.permutation(len(MULTI_NAMES))  # which needle goes shallowest
+    n_hay = length - 64 - sum(len(x) for x in needles) - len(questions[target])
+    if n_hay < 1:
+      raise ValueError(f"multikey: length {length} leaves no room for text around four needles "
+                       f"of {sum(len(x) for x in needles)} tokens; use a longer length.")
+    hay = data.haystack_ids(docs, encode, n_hay, rng)
+    depths = np.sort(rng.uniform(0.1, 0.9, len(MULTI_NAMES)))
+    cuts = [int(d * n_hay) for d in depths]
+    ids, prev = [], 0
+    for cut, j in zip(cuts, order):
+      ids += hay[prev:cut] + needles[j]
+      prev = cut
+    ctx.append(ids + hay[prev:])
+    qs.append(questions[target])
+    ans.append(encode(f" {keys[target]}"))
+    info.append({"key": keys[target], "name": MULTI_NAMES[target], "keys": keys,
+                 "depth": round(float(depths[list(order).index(target)]), 3),
+                 "context_tokens": len(ctx[-1])})
+  return Batch(np.array(ctx, np.int32), np.array(qs, np.int32), np.array(ans, np.int32), info)
 
 
 # -- scores ---------------------------------------------------------------------------------
