@@ -458,7 +458,7 @@ def markdown_tables(res: dict) -> str:
          f"read {bw0['read_gbps']:.1f} / {bw1['read_gbps']:.1f} GB/s.", ""]
   out += ["| context | dense ms | MagicPIG ms | speedup | dense tok/s | MagicPIG tok/s | dense "
           "cache | kernel ms/step | kernel MB/step | kernel GB/s | % of read BW | lookup / score "
-          "/ softmax CPU ms | candidates |", "|" + "---|" * 13]
+          "/ softmax worker ms | candidates |", "|" + "---|" * 13]
   for r in res.get("smollm2", []):
     if "skipped" in r:
       out.append(f"| {r['context']} | skipped: {r['skipped']} |" + " |" * 11)

@@ -88,6 +88,8 @@ def smollm2(res):
     # Both caches live at once (they are timed interleaved). Where the f32 dense cache would not
     # fit next to the store with room to spare for the machine's other users, the dense cache
     # (and so the MagicPIG step's dense layers and exact buffer) is bfloat16; past that, skip.
+    # The previous context's pool is freed first, so that it does not count against this one.
+    backend.store.reset(0)
     store_need = HostKVStore.estimate_bytes(
         num_layers=len(backend.sparse_layers), num_slots=1, num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n)
