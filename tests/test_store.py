@@ -141,6 +141,29 @@ def test_bf16_queries_and_scalar_kernels_and_threads(monkeypatch):
   np.testing.assert_array_equal(outs[0][2], outs[1][2])
 
 
+@pytest.mark.parametrize("num_bits,num_tables", [(3, 8), (8, 40)])
+def test_two_phase_attend_matches_reference_and_one_thread(num_bits, num_tables, monkeypatch):
+  """Pools large enough (pool x query heads >= 32768) for the two-phase parallel attend, whose
+  heads' candidates are split into pieces of 512 and merged by log-sum-exp: equal to the oracle
+  and to the one-worker path. (3, 8) gives thousands of candidates per head (many pieces); an
+  empty pool row and a tiny one ride along."""
+  lengths = [6000, 0, 3]
+  d = _make(21 + num_bits, 3, 2, 4, 6000, lengths, num_bits, num_tables)
+  outs = []
+  for threads in (2, 1):
+    with _store(3, 2, num_bits, num_tables, 6000, threads=threads) as s:
+      outs.append(jax.block_until_ready(_insert_attend(s, d, jnp.arange(3))[1]))
+  ro, rlse, rcount = d["ref"]
+  if num_bits == 3:
+    assert np.min(np.asarray(rcount)[0]) > 2 * 512  # several pieces per head
+  for o, lse, count in outs:
+    np.testing.assert_array_equal(count, rcount)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
+    np.testing.assert_allclose(lse, rlse, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(o, ro, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+
+
 def test_empty_candidate_set():
   """Pool tokens exist but none collides twice: o = 0, lse = -inf, count = 0; and all collide."""
   B, K, T, L = 1, 2, 50, 8

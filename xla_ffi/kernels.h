@@ -584,25 +584,23 @@ inline void PrefetchRow(const T* row, int64_t d) {
   for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-// o[D] and *lse for one query over candidate rows `cand[0..count)`. `scratch`: >=
-// kAttentionScratch floats. Raw keys in the logits (centred keys only in the cosine; DESIGN.md
-// step 2). split_ns (optional, profiling): += wall time of the score and the softmax phases.
+// Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query: o[D] holds
+// sum_c w_c v_c with w_c = exp(s_c - m), z = sum_c w_c, m the largest score so far (start from
+// o = 0, z = 0, m = -inf). `scratch`: >= kAttentionScratch floats. Raw keys in the logits
+// (centred keys only in the cosine; DESIGN.md step 2). split_ns (optional, profiling): += wall
+// time of the score and the softmax phases.
 template <typename T>
-void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
-                      const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
-                      float* scratch, float* o, float* lse, uint64_t* split_ns = nullptr) {
-  std::fill(o, o + d, 0.f);
-  if (count == 0) {
-    *lse = -std::numeric_limits<float>::infinity();
-    return;
-  }
+void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
+                         const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
+                         float* scratch, float* o, float& m, float& z,
+                         uint64_t* split_ns = nullptr) {
+  if (count == 0) return;  // (an empty pool has no mean key to read)
   const T* k = static_cast<const T*>(pool.k);
   const T* v = static_cast<const T*>(pool.v);
   const ScoreParams params{ops.Dot(q, pool.mu, d), std::sqrt(ops.Dot(q, q, d)),
                            1.f / std::sqrt(static_cast<float>(d))};
   float* s = scratch;              // [kChunk]: q.k, then scores, then weights
   float* norm = scratch + kChunk;  // [kChunk]
-  float m = -std::numeric_limits<float>::infinity(), z = 0.f;
   for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
     const int64_t nc = std::min(kChunk, count - c0);
     const uint64_t t0 = split_ns ? NowNsKernel() : 0;
@@ -636,9 +634,29 @@ void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolVi
       split_ns[1] += t2 - t1;
     }
   }
+}
+
+// o[D] /= z and *lse = m + log z; an empty sum gives o = 0 and lse = -inf.
+inline void FinishAttention(float* o, int64_t d, float m, float z, float* lse) {
+  if (!(z > 0.f)) {
+    std::fill(o, o + d, 0.f);
+    *lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
   const float inv_z = 1.f / z;
   for (int64_t j = 0; j < d; ++j) o[j] *= inv_z;
   *lse = m + std::log(z);
+}
+
+// o[D] and *lse for one query over candidate rows `cand[0..count)`.
+template <typename T>
+void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
+                      const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
+                      float* scratch, float* o, float* lse, uint64_t* split_ns = nullptr) {
+  std::fill(o, o + d, 0.f);
+  float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+  AccumulateAttention<T>(ops, q, d, pool, cand, count, log_u, scratch, o, m, z, split_ns);
+  FinishAttention(o, d, m, z, lse);
 }
 
 }  // namespace pigjax

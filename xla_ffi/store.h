@@ -183,6 +183,9 @@ inline uint64_t NowNs() { return NowNsKernel(); }
 // Below this many (pool token x query head) pairs an attend runs on the calling thread: waking
 // the pool's threads costs tens of microseconds, more than such a call takes on one core.
 constexpr int64_t kMinParallelWork = 32768;
+// Candidates per piece of the two-phase attend: large enough that a piece's fixed costs (two
+// dots, one merge of D floats) vanish, small enough that nine heads make many pieces.
+constexpr int64_t kPieceCandidates = 512;
 
 class Store {
  public:
@@ -233,6 +236,8 @@ class Store {
     uint64_t b = 0;
     for (const auto& p : pools_) b += p.Bytes();
     for (const auto& s : scratch_) b += s.Bytes();
+    for (const auto& c : item_cand_) b += 4 * c.capacity();
+    b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity());
     return b;
   }
 
@@ -274,6 +279,15 @@ class Store {
   void CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
   void AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, int t, int64_t n0, int64_t len,
                      Scratch& s);
+
+  // Two-phase attend (see Attend): per query head its f32 query and candidates; the pieces of
+  // candidates and their partial softmax sums (o [D], then m and z).
+  struct Piece {
+    int64_t item, begin, end;
+  };
+  std::vector<std::vector<int32_t>> item_cand_;
+  std::vector<float> item_q_, piece_o_, piece_mz_;
+  std::vector<Piece> pieces_;
 
   std::mutex mu_;  // one call at a time: calls mutate pools and share the scratch
   bool profiling_ = false;
@@ -494,39 +508,45 @@ inline std::string Store::Attend(const AttendArgs& a) {
     max_n = std::max(max_n, n);
     work += n * hq;
   }
+  const int64_t items = bsz * hq;
+  const bool split = work >= kMinParallelWork && workers_.size() > 1;
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
       // The branch-free scan writes past the last candidate.
-      if (s.cand.size() < size_t(max_n + kScanSlack)) s.cand.resize(max_n + kScanSlack);
+      if (!split && s.cand.size() < size_t(max_n + kScanSlack)) s.cand.resize(max_n + kScanSlack);
       s.score.resize(kAttentionScratch);
       s.q.resize(d);
+    }
+    if (split) {
+      if (item_cand_.size() < size_t(items)) item_cand_.resize(items);
+      for (int64_t i = 0; i < items; ++i) {
+        const int64_t n = Pool(a.layer, a.slots[i / hq], 0).n;
+        if (item_cand_[i].size() < size_t(n + kScanSlack)) item_cand_[i].resize(n + kScanSlack);
+      }
+      item_q_.resize(items * d);
     }
   } catch (const std::bad_alloc&) {
     return "store_attend: out of host memory for the lookup scratch.";
   }
 
   const int64_t group = hq / c.num_kv_heads;
-  workers_.ParallelFor(bsz * hq, [&](int64_t i, int w) {
-    const int64_t b = i / hq, h = i % hq;
-    Scratch& s = scratch_[w];
-    HeadPool& p = Pool(a.layer, a.slots[b], h / group);
-    float* o = a.o + i * d;
-    if (p.n == 0) {
-      std::fill(o, o + d, 0.f);
-      a.lse[i] = -std::numeric_limits<float>::infinity();
+  auto pool_of = [&](int64_t i) -> HeadPool& { return Pool(a.layer, a.slots[i / hq], (i % hq) / group); };
+  // Query i as f32 into q; its candidates into cand (ascending), returning the count.
+  auto lookup = [&](int64_t i, Scratch& s, float* q, int32_t* cand) -> int64_t {
+    HeadPool& p = pool_of(i);
+    if (p.n == 0) {  // no tables yet
       a.count[i] = 0;
-      return;
+      return 0;
     }
     for (int64_t e = 0; e < d; ++e) {
-      s.q[e] = a.q_dtype == DType::kF32 ? static_cast<const float*>(a.q)[i * d + e]
-                                        : ToF32(static_cast<const bf16*>(a.q)[i * d + e]);
+      q[e] = a.q_dtype == DType::kF32 ? static_cast<const float*>(a.q)[i * d + e]
+                                      : ToF32(static_cast<const bf16*>(a.q)[i * d + e]);
     }
     const int32_t* qcodes = a.codes + i * c.num_tables;
     const uint64_t t0 = prof ? NowNs() : 0;
     const int64_t count = CollectCandidates(ops_, p.offsets.data(), p.ids, qcodes, c.num_bits,
-                                            c.num_tables, p.n, s.counter, s.cand.data());
-    uint64_t split[2] = {0, 0};
+                                            c.num_tables, p.n, s.counter, cand);
     if (prof) {
       s.prof.lookup_ns += NowNs() - t0;
       uint64_t walked = 0;
@@ -539,18 +559,77 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.prof.candidates += count;
       s.prof.bytes += walked * 4 + count * (2 * d * DTypeSize(c.dtype) + 4);
     }
-    const PoolView view{p.k.data(), p.v.data(), p.norms.data(), p.mu.data(), p.n};
-    if (c.dtype == DType::kF32) {
-      SampledAttention<float>(ops_, s.q.data(), d, view, s.cand.data(), count, log_u_,
-                              s.score.data(), o, &a.lse[i], prof ? split : nullptr);
-    } else {
-      SampledAttention<bf16>(ops_, s.q.data(), d, view, s.cand.data(), count, log_u_,
-                             s.score.data(), o, &a.lse[i], prof ? split : nullptr);
-    }
-    s.prof.score_ns += split[0];
-    s.prof.softmax_ns += split[1];
     a.count[i] = static_cast<int32_t>(count);
-  }, work < kMinParallelWork);
+    return count;
+  };
+  // Adds cand[0..count) of query i to (o, m, z).
+  auto accumulate = [&](int64_t i, Scratch& s, const float* q, const int32_t* cand, int64_t count,
+                        float* o, float& m, float& z) {
+    HeadPool& p = pool_of(i);
+    const PoolView view{p.k.data(), p.v.data(), p.norms.data(), p.mu.data(), p.n};
+    uint64_t split_ns[2] = {0, 0};
+    if (c.dtype == DType::kF32) {
+      AccumulateAttention<float>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z,
+                                 prof ? split_ns : nullptr);
+    } else {
+      AccumulateAttention<bf16>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z,
+                                prof ? split_ns : nullptr);
+    }
+    s.prof.score_ns += split_ns[0];
+    s.prof.softmax_ns += split_ns[1];
+  };
+
+  if (!split) {
+    // Small calls, or one worker: every query head start to finish on one worker.
+    workers_.ParallelFor(items, [&](int64_t i, int w) {
+      Scratch& s = scratch_[w];
+      float* o = a.o + i * d;
+      std::fill(o, o + d, 0.f);
+      float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+      const int64_t count = lookup(i, s, s.q.data(), s.cand.data());
+      accumulate(i, s, s.q.data(), s.cand.data(), count, o, m, z);
+      FinishAttention(o, d, m, z, &a.lse[i]);
+    }, work < kMinParallelWork);
+  } else {
+    // Two phases, so that two workers share nine query heads evenly: all lookups, then the
+    // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
+    // (o, m, z), merged per head by log-sum-exp at the end.
+    workers_.ParallelFor(items, [&](int64_t i, int w) {
+      lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
+    });
+    pieces_.clear();
+    for (int64_t i = 0; i < items; ++i) {
+      for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
+        pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
+      }
+    }
+    const int64_t np = static_cast<int64_t>(pieces_.size());
+    piece_o_.assign(np * d, 0.f);
+    piece_mz_.assign(2 * np, 0.f);
+    workers_.ParallelFor(np, [&](int64_t j, int w) {
+      const Piece& pc = pieces_[j];
+      float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+      accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,
+                 item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin,
+                 piece_o_.data() + j * d, m, z);
+      piece_mz_[2 * j] = m;
+      piece_mz_[2 * j + 1] = z;
+    });
+    int64_t j = 0;
+    for (int64_t i = 0; i < items; ++i) {
+      float* o = a.o + i * d;
+      std::fill(o, o + d, 0.f);
+      const int64_t j0 = j;
+      float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+      for (; j < np && pieces_[j].item == i; ++j) m = std::max(m, piece_mz_[2 * j]);
+      for (int64_t k = j0; k < j; ++k) {
+        const float r = std::exp(piece_mz_[2 * k] - m);
+        z += r * piece_mz_[2 * k + 1];
+        for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
+      }
+      FinishAttention(o, d, m, z, &a.lse[i]);
+    }
+  }
   if (prof) {
     prof_.attend_calls += 1;
     prof_.attend_ns += NowNs() - call_t0;
