@@ -97,6 +97,15 @@ def real_prefill(engine: Engine, ids: list[int], batch: int = 1) -> tuple[attent
   return cache, time.perf_counter() - t0
 
 
+def repeat_rows(cache: attention.DenseCache, batch: int) -> attention.DenseCache:
+  """A one-row dense cache as `batch` identical rows (batched benchmarks)."""
+  if batch == 1:
+    return cache
+  rep = lambda x: jnp.repeat(x, batch, axis=0)
+  return attention.DenseCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
+                              lengths_B=rep(cache.lengths_B))
+
+
 def source_positions(n_src: int, n: int, sink: int) -> np.ndarray:
   """src(p) for p < n: p itself for p < n_src, then cycling through [sink, n_src)."""
   p = np.arange(n)
@@ -406,7 +415,7 @@ def plot_results(res: dict, out_dir: str) -> list[str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   os.makedirs(out_dir, exist_ok=True)
-  rows = [r for r in res.get("smollm2", []) if "skipped" not in r]
+  rows = [r for r in res.get("smollm2", []) if "skipped" not in r and r.get("batch", 1) == 1]
   cpp = [r for r in res.get("llamacpp", []) if isinstance(r, dict) and "llamacpp_ms" in r]
   paths = []
   ctx = [r["context"] / 1024 for r in rows]
@@ -456,16 +465,16 @@ def markdown_tables(res: dict) -> str:
   out = [f"CPU: {res['cpu']}. Memory bandwidth (C++ STREAM-style, {bw0['threads']} threads, "
          f"start / end of run): copy {bw0['copy_gbps']:.1f} / {bw1['copy_gbps']:.1f} GB/s, "
          f"read {bw0['read_gbps']:.1f} / {bw1['read_gbps']:.1f} GB/s.", ""]
-  out += ["| context | dense ms | MagicPIG ms | speedup | dense tok/s | MagicPIG tok/s | dense "
-          "cache | kernel ms/step | kernel MB/step | kernel GB/s | % of read BW | lookup / score "
-          "/ softmax worker ms | candidates |", "|" + "---|" * 13]
+  out += ["| context | batch | dense ms | MagicPIG ms | speedup | dense tok/s | MagicPIG tok/s | "
+          "dense cache | kernel ms/step | kernel MB/step | kernel GB/s | % of read BW | lookup / "
+          "score / softmax worker ms | candidates |", "|" + "---|" * 14]
   for r in res.get("smollm2", []):
     if "skipped" in r:
-      out.append(f"| {r['context']} | skipped: {r['skipped']} |" + " |" * 11)
+      out.append(f"| {r['context']} | {r.get('batch', 1)} | skipped: {r['skipped']} |" + " |" * 11)
       continue
     gbps = r["kernel_bytes_per_step"] / r["kernel_ms_per_step"] * 1e-6
     out.append(
-        f"| {r['context']} | {r['dense_ms']:.0f} | {r['magicpig_ms']:.0f} | "
+        f"| {r['context']} | {r.get('batch', 1)} | {r['dense_ms']:.0f} | {r['magicpig_ms']:.0f} | "
         f"{r['speedup']:.2f}x | {r['dense_tok_s']:.2f} | {r['magicpig_tok_s']:.2f} | "
         f"{r.get('dense_cache_dtype', 'float32')} | {r['kernel_ms_per_step']:.0f} | "
         f"{r['kernel_bytes_per_step'] / 1e6:.0f} | {gbps:.1f} | {100 * gbps / read_bw:.0f}% | "

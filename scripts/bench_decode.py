@@ -25,6 +25,8 @@ from pigjax.store import HostKVStore
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["4096", "16384", "32768", "65536", "131072"], "Context lengths.")
+flags.DEFINE_list("batches", ["1"], "Batch sizes, each at every context where memory allows "
+                  "(rows are copies of the one tiled context).")
 flags.DEFINE_integer("source_tokens", 2048, "Real prefill length the long caches are tiled from.")
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds per context.")
 flags.DEFINE_integer("steps", 3, "Decode steps per method per round.")
@@ -56,7 +58,8 @@ def smollm2(res):
   dense_engine = Engine(dense_cfg, pipe.model)
   backend = MagicPigBackend(cfg)
   a, m = cfg.attention, cfg.model
-  backend.store = HostKVStore(num_layers=len(backend.sparse_layers), num_slots=1,
+  batches = [int(b) for b in FLAGS.batches]
+  backend.store = HostKVStore(num_layers=len(backend.sparse_layers), num_slots=max(batches),
                               num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                               num_bits=a.num_bits, num_tables=a.num_tables,
                               capacity=max(contexts), threads=a.threads)
@@ -84,57 +87,64 @@ def smollm2(res):
 
   res["smollm2"] = []
   for n in contexts:
-    capacity = n + 256
-    # Both caches live at once (they are timed interleaved). Where the f32 dense cache would not
-    # fit next to the store with room to spare for the machine's other users, the dense cache
-    # (and so the MagicPIG step's dense layers and exact buffer) is bfloat16; past that, skip.
-    # The previous context's pool is freed first, so that it does not count against this one.
-    backend.store.reset(0)
-    store_need = HostKVStore.estimate_bytes(
-        num_layers=len(backend.sparse_layers), num_slots=1, num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n)
-    avail = store.available_bytes() or 1 << 50
-    dtype = None
-    for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
-      need = store_need + itemsize * 2 * m.num_layers * m.num_kv_heads * capacity * m.head_dim
-      if need + FLAGS.memory_margin_gb * 2**30 < avail:
-        dtype = dt or pipe.model.dtype
-        break
-    if dtype is None:
-      res["smollm2"].append(dict(context=n, skipped=f"needs {need / 2**30:.1f} GiB with a bf16 "
-                                 f"dense cache; {avail / 2**30:.1f} GiB available"))
-      log(res["smollm2"][-1])
-      save(res)
-      continue
-    dense = bench.tile_cache(src, len(ids), n, capacity, m, dtype=dtype)
-    tm = {}
-    pc = bench.magicpig_cache(backend, dense, n, tm)
-    mem = backend.store.memory_bytes()
-    fns = {"dense": bench.decode_stepper(dense_engine, dense, 1, capacity),
-           "magicpig": bench.decode_stepper(pig_engine, pc, 1, capacity)}
-    del dense, pc
-    bench.interleaved(fns, 1, 1)
-    times = bench.interleaved(fns, FLAGS.rounds, FLAGS.steps, warmup=0)
-    bench.set_profiling(backend.store, True)
-    kt = bench.interleaved({"magicpig": fns["magicpig"]}, 1, FLAGS.steps, warmup=0)
-    prof = bench.kernel_profile(backend.store)
-    bench.set_profiling(backend.store, False)
-    steps = FLAGS.steps
-    row = dict(context=n, batch=1, dense_cache_dtype=jnp.dtype(dtype).name,
-               **bench.summarise(times), hash_s=tm["hash_s"],
-               insert_s=tm["insert_s"], store_bytes=mem,
-               kernel_ms_per_step=prof["attend_ns"] * 1e-6 / steps,
-               kernel_bytes_per_step=prof["bytes"] / steps,
-               lookup_ms=prof["lookup_ns"] * 1e-6 / steps, score_ms=prof["score_ns"] * 1e-6 / steps,
-               softmax_ms=prof["softmax_ns"] * 1e-6 / steps,
-               candidate_fraction=prof["candidates"] / max(1, prof["heads"]) / (n - 68),
-               profiled_step_ms=1e3 * sorted(kt["magicpig"])[len(kt["magicpig"]) // 2])
-    row["speedup"] = row["dense_ms"] / row["magicpig_ms"]
-    res["smollm2"].append(row)
-    log(json.dumps(row))
-    save(res)
-    del fns
+    for batch in batches:
+      _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engine, pipe)
   backend.store.close()
+
+
+def _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engine, pipe):
+  """Dense vs MagicPIG at context n and `batch` rows, interleaved; appends a row to res."""
+  capacity = n + 256
+  # Both caches live at once (they are timed interleaved). Where the f32 dense cache would not
+  # fit next to the store with room to spare for the machine's other users, the dense cache
+  # (and so the MagicPIG step's dense layers and exact buffer) is bfloat16; past that, skip.
+  # The previous context's pool is freed first, so that it does not count against this one.
+  for slot in range(backend.store.num_slots):
+    backend.store.reset(slot)
+  store_need = HostKVStore.estimate_bytes(
+      num_layers=len(backend.sparse_layers), num_slots=batch, num_kv_heads=m.num_kv_heads,
+      head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n)
+  avail = store.available_bytes() or 1 << 50
+  dtype = None
+  for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
+    need = store_need + itemsize * 2 * m.num_layers * m.num_kv_heads * capacity * m.head_dim * batch
+    if need + FLAGS.memory_margin_gb * 2**30 < avail:
+      dtype = dt or pipe.model.dtype
+      break
+  if dtype is None:
+    res["smollm2"].append(dict(context=n, batch=batch, skipped=f"needs {need / 2**30:.1f} GiB with a bf16 "
+                               f"dense cache; {avail / 2**30:.1f} GiB available"))
+    log(res["smollm2"][-1])
+    save(res)
+    return
+  dense = bench.repeat_rows(bench.tile_cache(src, len(ids), n, capacity, m, dtype=dtype), batch)
+  tm = {}
+  pc = bench.magicpig_cache(backend, dense, n, tm)
+  mem = backend.store.memory_bytes()
+  fns = {"dense": bench.decode_stepper(dense_engine, dense, batch, capacity),
+         "magicpig": bench.decode_stepper(pig_engine, pc, batch, capacity)}
+  del dense, pc
+  bench.interleaved(fns, 1, 1)
+  times = bench.interleaved(fns, FLAGS.rounds, FLAGS.steps, warmup=0)
+  bench.set_profiling(backend.store, True)
+  kt = bench.interleaved({"magicpig": fns["magicpig"]}, 1, FLAGS.steps, warmup=0)
+  prof = bench.kernel_profile(backend.store)
+  bench.set_profiling(backend.store, False)
+  steps = FLAGS.steps
+  row = dict(context=n, batch=batch, dense_cache_dtype=jnp.dtype(dtype).name,
+             **bench.summarise(times, batch), hash_s=tm["hash_s"],
+             insert_s=tm["insert_s"], store_bytes=mem,
+             kernel_ms_per_step=prof["attend_ns"] * 1e-6 / steps,
+             kernel_bytes_per_step=prof["bytes"] / steps,
+             lookup_ms=prof["lookup_ns"] * 1e-6 / steps, score_ms=prof["score_ns"] * 1e-6 / steps,
+             softmax_ms=prof["softmax_ns"] * 1e-6 / steps,
+             candidate_fraction=prof["candidates"] / max(1, prof["heads"]) / (n - 68),
+             profiled_step_ms=1e3 * sorted(kt["magicpig"])[len(kt["magicpig"]) // 2])
+  row["speedup"] = row["dense_ms"] / row["magicpig_ms"]
+  res["smollm2"].append(row)
+  log(json.dumps(row))
+  save(res)
+  del fns
 
 
 def llama8b(res):

@@ -103,3 +103,35 @@ def test_attention_only_steps_run():
   assert set(times) == {"dense", "magicpig"}
   assert store.num_tokens(0, 0) == 512 - 68
   store.close()
+
+
+def test_batched_magicpig_cache_rows_match_single(tiny):
+  """repeat_rows + magicpig_cache at batch 2 (the batched benchmark): both rows' pools hold what
+  the one-row cache holds, and a decode step gives both rows the one-row token."""
+  cfg = tiny.cfg
+  backend = MagicPigBackend(cfg)
+  engine = Engine(cfg, tiny.model, backend)
+  dense_engine = Engine(dataclasses.replace(cfg, attention=AttentionConfig()), tiny.model)
+  ids = list(np.random.default_rng(2).integers(3, 250, 128))
+  src, _ = bench.real_prefill(dense_engine, ids)
+  backend.create_cache(2, 128, tiny.model.dtype)
+  one = bench.magicpig_cache(backend, src, 128)
+  tok_one = bench.decode_stepper(engine, one, 1, 256)
+  tok_one()
+  want = int(tok_one.state["tok"][0])
+  two = bench.magicpig_cache(backend, bench.repeat_rows(src, 2), 128)
+  assert [backend.store.num_tokens(0, s) for s in range(2)] == [backend.store.num_tokens(0, 0)] * 2
+  step = bench.decode_stepper(engine, two, 2, 256)
+  step()
+  assert [int(t) for t in step.state["tok"]] == [want, want]
+
+
+def test_markdown_tables_have_a_batch_column():
+  row = dict(context=4096, batch=4, dense_ms=50.0, magicpig_ms=40.0, speedup=1.25,
+             dense_tok_s=80.0, magicpig_tok_s=100.0, kernel_ms_per_step=5.0,
+             kernel_bytes_per_step=1e7, lookup_ms=1.0, score_ms=2.0, softmax_ms=1.0,
+             candidate_fraction=0.04)
+  bw = {"copy_gbps": 20.0, "read_gbps": 30.0, "threads": 2}
+  md = bench.markdown_tables({"cpu": "x", "bandwidth": bw, "smollm2": [
+      row, dict(context=8192, batch=8, skipped="needs 1 GiB")]})
+  assert "| 4096 | 4 | 50 | 40 | 1.25x |" in md and "| 8192 | 8 | skipped: needs 1 GiB |" in md

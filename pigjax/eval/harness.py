@@ -283,7 +283,7 @@ class Harness:
       frac = self._fraction(be, cache)
       gen, _ = self.runner.greedy(be, snap, lp_last, self.free_tokens)
       if m.kind == "magicpig":
-        self._match_budget(length, m, frac, pool[protocol], f"passkey/{protocol}")
+        self._match_budget(length, m, frac, pool[protocol], f"{task}/{protocol}")
       if m.kind == "dense":
         dense_lp[protocol] = lp
       # The answer's leading space is part of the forced prefix (EVAL.md: "digits forced after
