@@ -57,14 +57,20 @@ def test_tile_cache_rerotates_keys(tiny):
   assert float(jnp.abs(tiled.k[2][:, :, 200:]).max()) == 0.0
 
 
-def test_magicpig_cache_matches_after_prefill(tiny):
-  cfg = tiny.cfg
-  backend = MagicPigBackend(cfg)
-  engine = Engine(cfg, tiny.model, backend)
-  dense_engine = Engine(dataclasses.replace(cfg, attention=AttentionConfig()), tiny.model)
-  ids = list(np.random.default_rng(1).integers(3, 250, 128))
+def _magicpig_engine_and_prefill(tiny, seed, batch):
+  """A MagicPIG engine (store sized for `batch` slots) and a real dense prefill of 128 random
+  tokens (one row) on the tiny model."""
+  backend = MagicPigBackend(tiny.cfg)
+  engine = Engine(tiny.cfg, tiny.model, backend)
+  dense_engine = Engine(dataclasses.replace(tiny.cfg, attention=AttentionConfig()), tiny.model)
+  ids = list(np.random.default_rng(seed).integers(3, 250, 128))
   src, _ = bench.real_prefill(dense_engine, ids)
-  backend.create_cache(1, 128, tiny.model.dtype)
+  backend.create_cache(batch, 128, tiny.model.dtype)
+  return backend, engine, src
+
+
+def test_magicpig_cache_matches_after_prefill(tiny):
+  backend, engine, src = _magicpig_engine_and_prefill(tiny, 1, 1)
   want = backend.after_prefill(jax.tree.map(jnp.copy, src), np.array([128], np.int32))
   want_sizes = [backend.store.num_tokens(i, 0) for i in range(2)]
   timings = {}
@@ -108,13 +114,7 @@ def test_attention_only_steps_run():
 def test_batched_magicpig_cache_rows_match_single(tiny):
   """repeat_rows + magicpig_cache at batch 2 (the batched benchmark): both rows' pools hold what
   the one-row cache holds, and a decode step gives both rows the one-row token."""
-  cfg = tiny.cfg
-  backend = MagicPigBackend(cfg)
-  engine = Engine(cfg, tiny.model, backend)
-  dense_engine = Engine(dataclasses.replace(cfg, attention=AttentionConfig()), tiny.model)
-  ids = list(np.random.default_rng(2).integers(3, 250, 128))
-  src, _ = bench.real_prefill(dense_engine, ids)
-  backend.create_cache(2, 128, tiny.model.dtype)
+  backend, engine, src = _magicpig_engine_and_prefill(tiny, 2, 2)
   one = bench.magicpig_cache(backend, src, 128)
   tok_one = bench.decode_stepper(engine, one, 1, 256)
   tok_one()
