@@ -575,7 +575,7 @@ constexpr int64_t kChunk = 64;
 // How many candidates ahead the gather prefetches: rows are scattered over the pool, so each is
 // a cache miss unless requested early (about a DRAM latency's worth of work ahead).
 constexpr int64_t kPrefetchAhead = 16;
-// Scratch floats SampledAttention needs.
+// Scratch floats AccumulateAttention needs.
 constexpr int64_t kAttentionScratch = 2 * kChunk;
 
 template <typename T>
@@ -646,17 +646,6 @@ inline void FinishAttention(float* o, int64_t d, float m, float z, float* lse) {
   const float inv_z = 1.f / z;
   for (int64_t j = 0; j < d; ++j) o[j] *= inv_z;
   *lse = m + std::log(z);
-}
-
-// o[D] and *lse for one query over candidate rows `cand[0..count)`.
-template <typename T>
-void SampledAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
-                      const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
-                      float* scratch, float* o, float* lse, uint64_t* split_ns = nullptr) {
-  std::fill(o, o + d, 0.f);
-  float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-  AccumulateAttention<T>(ops, q, d, pool, cand, count, log_u, scratch, o, m, z, split_ns);
-  FinishAttention(o, d, m, z, lse);
 }
 
 }  // namespace pigjax

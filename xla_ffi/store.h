@@ -513,12 +513,14 @@ inline std::string Store::Attend(const AttendArgs& a) {
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
-      // The branch-free scan writes past the last candidate.
-      if (!split && s.cand.size() < size_t(max_n + kScanSlack)) s.cand.resize(max_n + kScanSlack);
       s.score.resize(kAttentionScratch);
       s.q.resize(d);
     }
-    if (split) {
+    // Candidate buffers; the branch-free scan writes past the last candidate.
+    if (!split) {
+      std::vector<int32_t>& cand = scratch_[0].cand;
+      if (cand.size() < size_t(max_n + kScanSlack)) cand.resize(max_n + kScanSlack);
+    } else {
       if (item_cand_.size() < size_t(items)) item_cand_.resize(items);
       for (int64_t i = 0; i < items; ++i) {
         const int64_t n = Pool(a.layer, a.slots[i / hq], 0).n;
@@ -580,16 +582,16 @@ inline std::string Store::Attend(const AttendArgs& a) {
   };
 
   if (!split) {
-    // Small calls, or one worker: every query head start to finish on one worker.
-    workers_.ParallelFor(items, [&](int64_t i, int w) {
-      Scratch& s = scratch_[w];
+    // Small calls, or one worker: every query head start to finish on the calling thread.
+    Scratch& s = scratch_[0];
+    for (int64_t i = 0; i < items; ++i) {
       float* o = a.o + i * d;
       std::fill(o, o + d, 0.f);
       float m = -std::numeric_limits<float>::infinity(), z = 0.f;
       const int64_t count = lookup(i, s, s.q.data(), s.cand.data());
       accumulate(i, s, s.q.data(), s.cand.data(), count, o, m, z);
       FinishAttention(o, d, m, z, &a.lse[i]);
-    }, work < kMinParallelWork);
+    }
   } else {
     // Two phases, so that two workers share nine query heads evenly: all lookups, then the
     // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
