@@ -71,6 +71,15 @@ class Config:
   # Face Llama directory or an Orbax checkpoint written by scripts/convert_checkpoint.py.
   checkpoint: str = "smollm2"
   dtype: str = "float32"  # activations and weights: "float32" | "bfloat16"
+  # Weights of the decode step's matmuls: "dense" (XLA matmuls on `dtype` weights), "q8_0" |
+  # "q4_0" | "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's
+  # own blocks as stored; Q8_0 for tensors in other formats) or "auto" ("gguf" for a GGUF
+  # checkpoint, "dense" otherwise). Prefill always uses the dense weights.
+  weights: str = "auto"
+  # Activation precision of the quantized kernel: 16 (two int8 bytes per value: the decode step
+  # computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one byte, as
+  # llama.cpp does: one integer dot per block instead of two, errors of about 1%).
+  act_bits: int = 16
   max_seq_len: int = 4096  # cache capacity per sequence (prompt + generated)
   prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks
   # The architecture is read from the checkpoint when it is loaded and replaces this section;

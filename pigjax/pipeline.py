@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from pigjax import sampling, weights
 from pigjax.config import Config, SamplingConfig
 from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
-from pigjax.model import Llama, from_hf_tensors
+from pigjax.model import WEIGHT_FORMATS, Llama, attach_quantized, from_hf_tensors
 from pigjax.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -50,19 +50,40 @@ def load_tokenizer(spec: str) -> Tokenizer:
   return Tokenizer.from_hf_dir(path)  # HF directories and Orbax checkpoints written by pigjax
 
 
-def load_model_and_tokenizer(spec: str, progress: bool = True):
-  """(ModelConfig, HF-named tensors, Tokenizer); a GGUF's header is parsed once for both."""
-  gguf_path = _gguf_path(spec)
-  if gguf_path is not None and gguf_path.suffix == ".gguf":
+def _is_gguf(spec: str) -> bool:
+  path = _gguf_path(spec)
+  return path is not None and path.suffix == ".gguf"
+
+
+def load_model_and_tokenizer(spec: str, progress: bool = True, blocks: bool = False):
+  """(ModelConfig, HF-named tensors, Tokenizer, GGUF blocks); a GGUF's header is parsed once.
+
+  The last item is `weights.gguf_blocks` of a GGUF checkpoint when `blocks` is set, else {}.
+  """
+  if _is_gguf(spec):
     import gguf
+    gguf_path = _gguf_path(spec)
     try:
       reader = gguf.GGUFReader(gguf_path)
     except Exception as e:
       raise ValueError(f"{gguf_path} is not a readable GGUF file ({e}).") from e
-    return (*weights.load_gguf(reader, progress=progress), Tokenizer.from_gguf(reader))
+    model_cfg, tensors = weights.load_gguf(reader, progress=progress)
+    raw = weights.gguf_blocks(reader, model_cfg) if blocks else {}
+    return model_cfg, tensors, Tokenizer.from_gguf(reader), raw
   tokenizer = load_tokenizer(spec)
   model_cfg, tensors, _ = weights.load_checkpoint(spec, progress=progress)
-  return model_cfg, tensors, tokenizer
+  return model_cfg, tensors, tokenizer, {}
+
+
+def resolve_weights(cfg: Config) -> str:
+  """The decode-step weight format `cfg.weights` stands for: "auto" is a GGUF checkpoint's own
+  blocks ("gguf") and dense weights for any other checkpoint."""
+  if cfg.weights == "auto":
+    return "gguf" if _is_gguf(cfg.checkpoint) else "dense"
+  if cfg.weights == "gguf" and not _is_gguf(cfg.checkpoint):
+    raise ValueError(f"weights='gguf' needs a GGUF checkpoint; {cfg.checkpoint!r} is not one. Use "
+                     f"'q8_0', 'q4_0', 'q4_1' or 'dense'.")
+  return cfg.weights
 
 
 def validate(cfg: Config) -> None:
@@ -74,6 +95,10 @@ def validate(cfg: Config) -> None:
     raise ValueError(f"Unknown dtype {cfg.dtype!r}; use one of {sorted(_DTYPES)}.")
   if cfg.attention.kind not in ("dense", "magicpig"):
     raise ValueError(f"Unknown attention.kind {cfg.attention.kind!r}; use 'dense' or 'magicpig'.")
+  if cfg.weights not in WEIGHT_FORMATS:
+    raise ValueError(f"Unknown weights {cfg.weights!r}; use one of {list(WEIGHT_FORMATS)}.")
+  if cfg.act_bits not in (8, 16):
+    raise ValueError(f"act_bits must be 8 or 16, got {cfg.act_bits!r}.")
   if cfg.prefill_chunk < 1 or cfg.max_seq_len < 2:
     raise ValueError(f"prefill_chunk={cfg.prefill_chunk} and max_seq_len={cfg.max_seq_len} must "
                      "be positive.")
@@ -89,17 +114,24 @@ class Pipeline:
   tokenizer: Tokenizer
   engine: Engine
   load_s: float = 0.0
+  weights: str = "dense"  # the resolved decode weight format
+  quant_bytes: int = 0  # bytes of quantized decode weights (besides the dense ones for prefill)
 
   @classmethod
   def load(cls, cfg: Config, progress: bool = True) -> Pipeline:
     validate(cfg)
     t0 = time.perf_counter()
-    model_cfg, tensors, tokenizer = load_model_and_tokenizer(cfg.checkpoint, progress)
+    fmt = resolve_weights(cfg)
+    model_cfg, tensors, tokenizer, blocks = load_model_and_tokenizer(cfg.checkpoint, progress,
+                                                                     blocks=fmt == "gguf")
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model = from_hf_tensors(model_cfg, tensors, dtype=_DTYPES[cfg.dtype])
-    del tensors
+    quant_bytes = 0 if fmt == "dense" else attach_quantized(model, tensors, fmt, blocks,
+                                                                 cfg.act_bits)
+    del tensors, blocks
     engine = Engine(cfg, model, make_backend(cfg))
-    return cls(cfg, model, tokenizer, engine, load_s=time.perf_counter() - t0)
+    return cls(cfg, model, tokenizer, engine, load_s=time.perf_counter() - t0, weights=fmt,
+               quant_bytes=quant_bytes)
 
   def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
     """Prompt ids; with `chat`, rendered through the checkpoint's chat template first."""
