@@ -154,8 +154,9 @@ def matmul_reference(x_MK: jax.Array, w: QTensor) -> jax.Array:
     c_w = jnp.zeros_like(d_w)
   else:
     nib = blk[..., 4:] if w.fmt == "q4_1" else blk[..., 2:]
-    codes = jnp.concatenate([nib & 0xF, nib >> 4], -1).astype(jnp.int32)
-    c_w = _half(blk[..., 2:4]) if w.fmt == "q4_1" else -8.0 * d_w
+    # Centred codes, as the kernel uses (xla_ffi/quant.h UnpackScalar): w = d (nib - 8) + c.
+    codes = jnp.concatenate([nib & 0xF, nib >> 4], -1).astype(jnp.int32) - 8
+    c_w = _half(blk[..., 2:4]) + 8.0 * d_w if w.fmt == "q4_1" else jnp.zeros_like(d_w)
   x_int = 256 * q.astype(jnp.int32) + r.astype(jnp.int32)
   dots_MNB = jnp.einsum("mbj,nbj->mnb", x_int, codes)
   return (jnp.einsum("mnb,mb,nb->mn", dots_MNB.astype(jnp.float32), d_x, d_w)

@@ -98,8 +98,11 @@ inline float LoadHalf(const uint8_t* p) {
   return HalfToFloat(h);
 }
 
-// The weight of block `blk` as (d, offset coefficient c, unsigned-or-signed codes): every format
-// is  sum_j w_j x_j = d * sum_j code_j x_j + c * sum_j x_j  with c = 0 (Q8_0), -8d (Q4_0), m (Q4_1).
+// The weight of block `blk` as (d, offset coefficient c, signed codes): every format is
+// sum_j w_j x_j = d * sum_j code_j x_j + c * sum_j x_j with code = q, c = 0 (Q8_0);
+// code = nibble - 8, c = 0 (Q4_0); code = nibble - 8, c = m + 8 d (Q4_1). Centred codes keep the
+// offset term small, so it does not cancel most of the product (which would magnify the
+// activations' rounding errors).
 inline void UnpackScalar(Format f, const uint8_t* blk, float* d, float* c, int32_t* code) {
   *d = LoadHalf(blk);
   if (f == Format::kQ8_0) {
@@ -108,10 +111,10 @@ inline void UnpackScalar(Format f, const uint8_t* blk, float* d, float* c, int32
     return;
   }
   const uint8_t* nib = blk + (f == Format::kQ4_1 ? 4 : 2);
-  *c = f == Format::kQ4_1 ? LoadHalf(blk + 2) : -8.f * *d;
+  *c = f == Format::kQ4_1 ? LoadHalf(blk + 2) + 8.f * *d : 0.f;
   for (int j = 0; j < 16; ++j) {
-    code[j] = nib[j] & 0xF;
-    code[j + 16] = nib[j] >> 4;
+    code[j] = (nib[j] & 0xF) - 8;
+    code[j + 16] = (nib[j] >> 4) - 8;
   }
 }
 
@@ -229,8 +232,7 @@ PIGJAX_QUANT_AVX2 inline void QuantizeRow(const float* x, int64_t k, bool low, A
   }
 }
 
-// The 32 codes of a block as bytes, and its (d, c) (see UnpackScalar). Q4 codes are unsigned,
-// Q8_0 codes signed.
+// The 32 signed codes of a block as bytes (see UnpackScalar).
 template <Format F>
 PIGJAX_QUANT_AVX2 inline __m256i Codes(const uint8_t* blk) {
   if constexpr (F == Format::kQ8_0) {
@@ -238,21 +240,18 @@ PIGJAX_QUANT_AVX2 inline __m256i Codes(const uint8_t* blk) {
   } else {
     const __m128i raw =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Format::kQ4_1 ? 4 : 2)));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    const __m256i both =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    return _mm256_sub_epi8(both, _mm256_set1_epi8(8));
   }
 }
 
 // sum_j code_j x_j as 8 int32 lanes (x int8).
 template <Format F>
 PIGJAX_QUANT_AVX2 inline __m256i Dot8(__m256i codes, __m256i x) {
-  __m256i p16;
-  if constexpr (F == Format::kQ8_0) {
-    // maddubs takes unsigned x signed: |w| times x with w's sign moved onto x.
-    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
-  } else {
-    p16 = _mm256_maddubs_epi16(codes, x);
-  }
+  // maddubs takes unsigned x signed: |w| times x with w's sign moved onto x.
+  const __m256i p16 =
+      _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes));
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
@@ -290,8 +289,7 @@ PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock*
           const float d = Half(blk);
           acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), BlockDot<F, kLow>(Codes<F>(blk), xm[b]),
                                    acc[r]);
-          if constexpr (F == Format::kQ4_1) off[r] += Half(blk + 2) * xs;
-          if constexpr (F == Format::kQ4_0) off[r] -= 8.f * d * xs;
+          if constexpr (F == Format::kQ4_1) off[r] += (Half(blk + 2) + 8.f * d) * xs;
         }
       }
       for (int r = 0; r < R; ++r) y[m * ldy + n + r] = HSum(acc[r]) + off[r];
@@ -308,8 +306,7 @@ PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock*
         const float d = Half(blk);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xm[b].d), BlockDot<F, kLow>(Codes<F>(blk), xm[b]),
                               acc);
-        if constexpr (F == Format::kQ4_1) off += Half(blk + 2) * xm[b].s;
-        if constexpr (F == Format::kQ4_0) off -= 8.f * d * xm[b].s;
+        if constexpr (F == Format::kQ4_1) off += (Half(blk + 2) + 8.f * d) * xm[b].s;
       }
       y[m * ldy + n] = HSum(acc) + off;
     }
