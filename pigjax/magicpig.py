@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pigjax import attention, lsh
-from pigjax.config import Config
+from pigjax.config import Config, validate_attention
 from pigjax.store import HostKVStore, store_attend, store_insert
 
 
@@ -51,16 +51,7 @@ class MagicPigBackend:
 
   def __init__(self, cfg: Config):
     a, m = cfg.attention, cfg.model
-    bad = [l for l in a.dense_layers if not 0 <= l < m.num_layers]
-    if bad:
-      raise ValueError(f"attention.dense_layers {bad} out of range for a {m.num_layers}-layer "
-                       "model.")
-    if a.sink < 0 or a.window < 0 or a.generated_buffer < 2:
-      raise ValueError(f"Need sink >= 0, window >= 0, generated_buffer >= 2; got sink={a.sink}, "
-                       f"window={a.window}, generated_buffer={a.generated_buffer}.")
-    if not 1 <= a.num_bits <= 16 or a.num_tables < 2:
-      raise ValueError(f"Need 1 <= num_bits <= 16 and num_tables >= 2; got num_bits={a.num_bits}, "
-                       f"num_tables={a.num_tables}.")
+    validate_attention(a, m.num_layers)
     self.cfg = cfg
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
