@@ -19,9 +19,11 @@ USER_ERRORS = (ValueError, OSError, MemoryError, flags.Error, app.UsageError)
 
 
 def debug_requested(argv: list[str] | None = None) -> bool:
-  """--debug on the command line (read before absl has parsed it) or PIGJAX_DEBUG=1."""
+  """--debug on the command line (read from argv, so it works before absl has parsed it) or
+  PIGJAX_DEBUG=1."""
   argv = sys.argv if argv is None else argv
-  return "--debug" in argv or os.environ.get("PIGJAX_DEBUG", "") not in ("", "0")
+  on = any(a in ("--debug", "--debug=true", "--debug=True", "--debug=1") for a in argv)
+  return on or os.environ.get("PIGJAX_DEBUG", "") not in ("", "0")
 
 
 def fail(error: BaseException | str) -> NoReturn:
@@ -55,7 +57,7 @@ def run_main(main: Callable[[list[str]], None], argv: list[str]) -> None:
   try:
     main(argv)
   except USER_ERRORS as e:
-    if debug_requested(argv):
+    if debug_requested():  # sys.argv: absl has removed the flags from argv
       raise
     fail(e)
 

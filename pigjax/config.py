@@ -92,7 +92,9 @@ def validate_attention(a: AttentionConfig, num_layers: int | None = None) -> Non
   """Raises ValueError naming the first bad attention setting, whatever `a.kind` is.
 
   Settings that only MagicPIG uses are checked on dense runs too: a typo in them is a mistake
-  whichever backend runs. `num_layers` (known once a checkpoint is read) bounds dense_layers.
+  whichever backend runs. `num_layers` (known once a checkpoint is read) bounds dense_layers;
+  only MagicPIG passes it, as dense runs ignore dense_layers and the default (0, 16) names a
+  layer that small models lack.
   """
   checks = [
       (a.kind in ATTENTION_KINDS,

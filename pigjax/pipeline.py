@@ -24,7 +24,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def make_backend(cfg: Config):
-  validate_attention(cfg.attention, cfg.model.num_layers)
+  validate_attention(cfg.attention)  # MagicPigBackend also bounds dense_layers by the model
   if cfg.attention.kind == "magicpig":
     from pigjax.magicpig import MagicPigBackend  # the host store is only built when asked for
     return MagicPigBackend(cfg)
