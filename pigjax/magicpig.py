@@ -170,7 +170,12 @@ class MagicPigBackend:
       if layer not in self.store_index:
         k.append(dense.k[layer]), v.append(dense.v[layer]), mu.append(None), w.append(None)
         continue
-      k_BKSD, v_BKSD = dense.k[layer], dense.v[layer]
+      # One sparse layer at a time: the barrier makes this layer's keys (and so its hashing)
+      # wait for the previous layer's insert. Without it XLA schedules every layer's hashing
+      # before the first insert, and each layer's f32 projection [B, K, P, num_bits*num_tables]
+      # (55 MB for SmolLM2 at 3k tokens) is alive at once: 1.5 GB at the peak (issue 9).
+      k_BKSD, v_BKSD, out_len_B = jax.lax.optimization_barrier(
+          (dense.k[layer], dense.v[layer], out_len_B))
       gather = lambda x_BKSD, idx_BJ: jnp.take_along_axis(
           x_BKSD, jnp.maximum(idx_BJ, 0)[:, None, :, None], axis=2)
       pad = ((0, 0), (0, 0), (0, a.generated_buffer), (0, 0))

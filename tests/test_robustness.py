@@ -215,3 +215,28 @@ def test_attention_settings_are_checked_for_every_kind():
   for dtype in config.STORE_DTYPES:
     with _store(dtype=dtype) as s:
       assert s.dtype == dtype
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. MagicPIG's after_prefill peak: every sparse layer's hashing was alive at once.
+
+
+def test_split_prefill_hashes_one_layer_at_a_time():
+  """The compiled after_prefill program's scratch holds about one layer's hash projection, not
+  one per sparse layer (which cost SmolLM2 1.5 GB at a 2.6k-token prompt)."""
+  from pigjax.attention import DenseCache
+  from pigjax.config import ModelConfig
+  from pigjax.magicpig import MagicPigBackend
+  B, K, D, S, num_bits, num_tables, layers = 1, 2, 16, 1024, 6, 20, 8
+  cfg = Config(model=ModelConfig(num_layers=layers, num_kv_heads=K, num_heads=2 * K, head_dim=D),
+               attention=AttentionConfig(kind="magicpig", num_bits=num_bits,
+                                         num_tables=num_tables, dense_layers=(0,), sink=2,
+                                         window=8, generated_buffer=16))
+  backend = MagicPigBackend(cfg)
+  cache = backend.create_cache(B, S, jnp.float32)
+  compiled = jax.jit(backend._split_prefill, donate_argnums=(0,)).lower(
+      cache, jnp.int32(backend.store.handle)).compile()
+  backend.store.close()
+  projection_bytes = B * K * S * num_bits * num_tables * 4  # f32 [B, K, P, num_bits*num_tables]
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < 3 * projection_bytes, (temp, projection_bytes)  # 7 sparse layers: >= 7x before
