@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 
 from pigjax import sampling, weights
-from pigjax.config import Config, SamplingConfig
+from pigjax.config import Config, SamplingConfig, validate_attention
 from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
 from pigjax.model import WEIGHT_FORMATS, Llama, attach_quantized, from_hf_tensors
 from pigjax.tokenizer import Tokenizer
@@ -24,12 +24,11 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def make_backend(cfg: Config):
-  if cfg.attention.kind == "dense":
-    return DenseBackend(cfg)
+  validate_attention(cfg.attention)  # MagicPigBackend also bounds dense_layers by the model
   if cfg.attention.kind == "magicpig":
     from pigjax.magicpig import MagicPigBackend  # the host store is only built when asked for
     return MagicPigBackend(cfg)
-  raise ValueError(f"Unknown attention.kind {cfg.attention.kind!r}; use 'dense' or 'magicpig'.")
+  return DenseBackend(cfg)
 
 
 def _gguf_path(spec: str) -> Path | None:
@@ -55,10 +54,13 @@ def _is_gguf(spec: str) -> bool:
   return path is not None and path.suffix == ".gguf"
 
 
-def load_model_and_tokenizer(spec: str, progress: bool = True, blocks: bool = False):
+def load_model_and_tokenizer(spec: str, progress: bool = True,
+                             tokenizer: Tokenizer | None = None, blocks: bool = False):
   """(ModelConfig, HF-named tensors, Tokenizer, GGUF blocks); a GGUF's header is parsed once.
 
-  The last item is `weights.gguf_blocks` of a GGUF checkpoint when `blocks` is set, else {}.
+  A `tokenizer` already built from the same spec (to check prompts before the weights load) is
+  returned as is rather than built again. The last item is `weights.gguf_blocks` of a GGUF
+  checkpoint when `blocks` is set, else {}.
   """
   if _is_gguf(spec):
     import gguf
@@ -69,8 +71,8 @@ def load_model_and_tokenizer(spec: str, progress: bool = True, blocks: bool = Fa
       raise ValueError(f"{gguf_path} is not a readable GGUF file ({e}).") from e
     model_cfg, tensors = weights.load_gguf(reader, progress=progress)
     raw = weights.gguf_blocks(reader, model_cfg) if blocks else {}
-    return model_cfg, tensors, Tokenizer.from_gguf(reader), raw
-  tokenizer = load_tokenizer(spec)
+    return model_cfg, tensors, tokenizer or Tokenizer.from_gguf(reader), raw
+  tokenizer = tokenizer or load_tokenizer(spec)
   model_cfg, tensors, _ = weights.load_checkpoint(spec, progress=progress)
   return model_cfg, tensors, tokenizer, {}
 
@@ -86,6 +88,36 @@ def resolve_weights(cfg: Config) -> str:
   return cfg.weights
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool = False,
+                  system: str | None = None) -> list[int]:
+  """Prompt ids; with `chat`, rendered through the checkpoint's chat template first."""
+  if chat:
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.encode(tokenizer.apply_chat_template(messages))
+  return tokenizer.encode(prompt)
+
+
+def check_prompt_lengths(ids: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int,
+                         max_position: int | None = None) -> None:
+  """Raises ValueError for an empty prompt or one with no room for max_new_tokens.
+
+  Cheap: the CLI calls it after tokenising and before the weights load (max_position is then
+  not known yet; the engine checks it again).
+  """
+  limit, what = max_seq_len, f"config max_seq_len={max_seq_len}"
+  if max_position is not None and max_position < max_seq_len:
+    limit, what = max_position, f"the model's max_position={max_position}"
+  for i, p in enumerate(ids):
+    if not p:
+      raise ValueError(f"Prompt {i} is empty (0 tokens); give at least one token of text.")
+    if len(p) + max_new_tokens > limit:
+      raise ValueError(
+          f"Prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+          f"{len(p) + max_new_tokens} positions, above the context limit of {limit} tokens "
+          f"({what}); shorten the prompt or lower max_new_tokens.")
+
+
 def validate(cfg: Config) -> None:
   """Cheap checks that run before any weight is read."""
   if not cfg.checkpoint:
@@ -93,15 +125,16 @@ def validate(cfg: Config) -> None:
                      "file, a Hugging Face Llama directory or a pigjax Orbax checkpoint.")
   if cfg.dtype not in _DTYPES:
     raise ValueError(f"Unknown dtype {cfg.dtype!r}; use one of {sorted(_DTYPES)}.")
-  if cfg.attention.kind not in ("dense", "magicpig"):
-    raise ValueError(f"Unknown attention.kind {cfg.attention.kind!r}; use 'dense' or 'magicpig'.")
+  validate_attention(cfg.attention)
   if cfg.weights not in WEIGHT_FORMATS:
     raise ValueError(f"Unknown weights {cfg.weights!r}; use one of {list(WEIGHT_FORMATS)}.")
   if cfg.act_bits not in (8, 16):
     raise ValueError(f"act_bits must be 8 or 16, got {cfg.act_bits!r}.")
-  if cfg.prefill_chunk < 1 or cfg.max_seq_len < 2:
-    raise ValueError(f"prefill_chunk={cfg.prefill_chunk} and max_seq_len={cfg.max_seq_len} must "
-                     "be positive.")
+  if cfg.max_seq_len < 2:
+    raise ValueError(f"max_seq_len={cfg.max_seq_len} is too small: it is the cache capacity per "
+                     "sequence (prompt + generated tokens) and must be at least 2.")
+  if cfg.prefill_chunk < 1:
+    raise ValueError(f"prefill_chunk must be at least 1 token, got {cfg.prefill_chunk}.")
   s = cfg.sampling
   sampling.validate_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty,
                              s.max_new_tokens)
@@ -118,12 +151,14 @@ class Pipeline:
   quant_bytes: int = 0  # bytes of quantized decode weights (besides the dense ones for prefill)
 
   @classmethod
-  def load(cls, cfg: Config, progress: bool = True) -> Pipeline:
+  def load(cls, cfg: Config, progress: bool = True,
+           tokenizer: Tokenizer | None = None) -> Pipeline:
+    """Validates cfg, then loads the checkpoint (and its tokenizer, unless one is given)."""
     validate(cfg)
     t0 = time.perf_counter()
     fmt = resolve_weights(cfg)
-    model_cfg, tensors, tokenizer, blocks = load_model_and_tokenizer(cfg.checkpoint, progress,
-                                                                     blocks=fmt == "gguf")
+    model_cfg, tensors, tokenizer, blocks = load_model_and_tokenizer(
+        cfg.checkpoint, progress, tokenizer, blocks=fmt == "gguf")
     cfg = dataclasses.replace(cfg, model=model_cfg)
     model = from_hf_tensors(model_cfg, tensors, dtype=_DTYPES[cfg.dtype])
     quant_bytes = 0 if fmt == "dense" else attach_quantized(model, tensors, fmt, blocks,
@@ -135,11 +170,7 @@ class Pipeline:
 
   def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
     """Prompt ids; with `chat`, rendered through the checkpoint's chat template first."""
-    if chat:
-      messages = ([{"role": "system", "content": system}] if system else [])
-      messages.append({"role": "user", "content": prompt})
-      return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
-    return self.tokenizer.encode(prompt)
+    return encode_prompt(self.tokenizer, prompt, chat, system)
 
   def generate(self, prompts: Sequence[str], *, chat: bool = False, system: str | None = None,
                sampling_cfg: SamplingConfig | None = None,
@@ -153,12 +184,7 @@ class Pipeline:
     """
     sc = sampling_cfg or self.cfg.sampling
     ids = [self.encode(p, chat, system) for p in prompts]
-    limit = min(self.cfg.model.max_position, self.cfg.max_seq_len)
-    for i, p in enumerate(ids):
-      if len(p) + sc.max_new_tokens > limit:
-        raise ValueError(
-            f"Prompt {i} has {len(p)} tokens; with max_new_tokens={sc.max_new_tokens} that exceeds "
-            f"the context limit of {limit} tokens.")
+    check_prompt_lengths(ids, sc.max_new_tokens, self.cfg.max_seq_len, self.cfg.model.max_position)
     checkers = [sampling.StopChecker(self.tokenizer.stop_ids, sc.stop_strings, self.tokenizer)
                 for _ in ids]
     streams = [self.tokenizer.stream_decoder() for _ in ids]
