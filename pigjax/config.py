@@ -82,8 +82,9 @@ class Config:
   # Weights of the decode step's matmuls: "dense" (XLA matmuls on `dtype` weights), "q8_0" |
   # "q4_0" | "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's
   # own blocks as stored; Q8_0 for tensors in other formats) or "auto" ("gguf" for a GGUF
-  # checkpoint, "dense" otherwise). Prefill always uses the dense weights.
-  weights: str = "auto"
+  # checkpoint, "dense" otherwise). Prefill always uses the dense weights. The default stays
+  # "dense" until the quantized path is measured faster on a quiet machine (BENCHMARKS.md).
+  weights: str = "dense"
   # Activation precision of the quantized kernel: 16 (two int8 bytes per value: the decode step
   # computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one byte, as
   # llama.cpp does: one integer dot per block instead of two, errors of about 1%).

@@ -215,8 +215,9 @@ needs_ref = pytest.mark.skipif(not REF.is_dir(), reason=f"no reference values at
 
 @pytest.fixture(scope="module")
 def qpipe():
-  """SmolLM2 with its GGUF's own Q4_1/Q8_0 blocks in the decode step (the default config)."""
-  pipe = Pipeline.load(Config(checkpoint="smollm2", max_seq_len=512), progress=False)
+  """SmolLM2 with its GGUF's own Q4_1/Q8_0 blocks in the decode step."""
+  pipe = Pipeline.load(Config(checkpoint="smollm2", weights="auto", max_seq_len=512),
+                       progress=False)
   assert pipe.weights == "gguf"
   return pipe
 
