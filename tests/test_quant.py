@@ -84,7 +84,6 @@ def test_kernel_paths_agree():
   """AVX2 and scalar give the same numbers (to summation order) on the same blocks."""
   if _pigjax_ffi.quant_isa() != "avx2":
     pytest.skip("no AVX2 on this CPU")
-  rng = np.random.default_rng(2)
   outs = []
   for env in (None, "scalar"):
     with pytest.MonkeyPatch.context() as mp:
@@ -95,7 +94,6 @@ def test_kernel_paths_agree():
                    for fmt in FORMATS])
   for a, b in zip(*outs):
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(b).max())
-  del rng
 
 
 def test_nonfinite_activation_gives_nonfinite_output():
