@@ -50,7 +50,7 @@ class AttentionConfig:
   per_layer_hash: bool = True  # one SimHash matrix per layer (else shared)
   threads: int = 0  # host kernel threads; 0 = all hardware threads
   generated_buffer: int = 256  # exact generated tokens kept before they join the pool
-  store_dtype: str = "bfloat16"  # pool K/V storage on the host: "bfloat16" | "float32"
+  store_dtype: str = "bfloat16"  # pool K/V on the host: "bfloat16" | "float32" | "int8"
 
 
 @dataclasses.dataclass(frozen=True)

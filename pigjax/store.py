@@ -26,7 +26,7 @@ import numpy as np
 from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
 from pigjax import _pigjax_ffi
 
-_DTYPES = ("bfloat16", "float32")
+_DTYPES = ("bfloat16", "float32", "int8")
 _FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # Open stores by handle, so the wrappers can check static shapes against a known store early.
@@ -55,7 +55,8 @@ class HostKVStore:
     num_kv_heads, head_dim: attention geometry.
     num_bits, num_tables: K bits per table and L tables of the SimHash codes.
     capacity: most pool tokens per (layer, slot).
-    dtype: K/V storage, "bfloat16" (default) or "float32". Norms, means and math are float32.
+    dtype: K/V storage, "bfloat16" (default), "float32" or "int8" (one float32 scale per K row
+      and per V row, `lsh.quantize_int8_rows`). Norms, means and math are float32.
     threads: size of the store's own thread pool; 0 = all hardware threads.
     verbose: print the worst-case memory estimate.
 
