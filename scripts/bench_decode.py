@@ -36,8 +36,8 @@ flags.DEFINE_integer("source_tokens", 2048, "Tokens per piece (documents) or of 
 flags.DEFINE_string("piece_cache", str(bench_contexts.DEFAULT_CACHE_DIR),
                     "Where prefilled document pieces are cached (git-ignored data/).")
 flags.DEFINE_string("store_dtype", "bfloat16", "MagicPIG host K/V: bfloat16, float32 or int8.")
-flags.DEFINE_string("weights", "", "Weight format passed to Config.weights (both methods) where "
-                    "the config has that field; '' keeps the default.")
+flags.DEFINE_string("weights", "", "Config.weights for both methods (dense | auto | gguf | q8_0 | "
+                    "q4_0 | q4_1); '' keeps the default.")
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds per context.")
 flags.DEFINE_integer("steps", 3, "Decode steps per method per round.")
 flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
@@ -111,10 +111,8 @@ def smollm2(res):
 
 
 def make_config(max_seq_len, att):
-  """The one Config both methods start from (--weights passes through where it exists)."""
+  """The one Config both methods start from (--weights sets Config.weights for both)."""
   extra = {"weights": FLAGS.weights} if FLAGS.weights else {}
-  if extra and "weights" not in {f.name for f in dataclasses.fields(Config)}:
-    raise app.UsageError("--weights: this pigjax's Config has no 'weights' field.")
   return Config(checkpoint="smollm2", max_seq_len=max_seq_len, attention=att, **extra)
 
 

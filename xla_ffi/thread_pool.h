@@ -5,6 +5,7 @@
 #ifndef PIGJAX_XLA_FFI_THREAD_POOL_H_
 #define PIGJAX_XLA_FFI_THREAD_POOL_H_
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -14,6 +15,8 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -24,17 +27,22 @@ class ThreadPool {
   using Task = std::function<void(int64_t index, int worker)>;
 
   // `num_threads` workers in all, the calling thread included (so num_threads - 1 are spawned).
+  // Exception-safe: if starting worker w fails (no memory or address space for its stack, a
+  // thread limit), the workers already started are stopped and joined and std::runtime_error is
+  // thrown. Unwinding a vector of joinable std::threads would call std::terminate instead.
   explicit ThreadPool(int num_threads) {
-    for (int w = 1; w < num_threads; ++w) threads_.emplace_back([this, w] { WorkerLoop(w); });
-  }
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_.store(true);
+    int w = 1;
+    try {
+      threads_.reserve(num_threads > 1 ? num_threads - 1 : 0);
+      for (; w < num_threads; ++w) threads_.emplace_back([this, w] { WorkerLoop(w); });
+    } catch (const std::exception& e) {
+      StopAndJoin();
+      throw std::runtime_error("could not start worker thread " + std::to_string(w) + " of " +
+                               std::to_string(num_threads) + " (" + e.what() +
+                               "); use fewer threads.");
     }
-    start_cv_.notify_all();
-    for (auto& t : threads_) t.join();
   }
+  ~ThreadPool() { StopAndJoin(); }
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
@@ -101,6 +109,15 @@ class ThreadPool {
     return ns;
   }
   static constexpr int kDefaultSpinUs = 0;
+
+  void StopAndJoin() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_.store(true);
+    }
+    start_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
 
   void RunTasks(int worker) {
     bool first = worker != 0;
