@@ -90,6 +90,23 @@ def test_estimator_proxy_is_selected_by_config(tiny, prefilled):
       assert be.stats(cache)["pool_fraction"] == pytest.approx(math.ceil(0.05 * pool) / pool)
 
 
+def test_estimator_proxy_in_the_product_path(tiny):
+  """--config.attention.kind=magicpig --config.attention.estimator=proxy decodes through the
+  engine (make_backend) and reports the attended fraction; reading the whole pool is dense."""
+  from pigjax.pipeline import make_backend
+  sc = SamplingConfig(max_new_tokens=6)
+  prompts = [list(np.random.default_rng(2).integers(3, 250, 120))]
+  want, _, _ = Engine(tiny.cfg, tiny.model).generate(prompts, sc)
+  for fraction in (1.0, 0.1):
+    cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(
+        tiny.cfg.attention, kind="magicpig", estimator="proxy", proxy_fraction=fraction))
+    got, _, stats = Engine(cfg, tiny.model, make_backend(cfg)).generate(prompts, sc)
+    pool = 120 - SINK - WINDOW
+    assert stats.extra["pool_fraction"] == pytest.approx(math.ceil(fraction * pool) / pool)
+    if fraction == 1.0:
+      assert got == want
+
+
 def test_streaming_with_window_covering_context_equals_dense(tiny, prefilled):
   runner, dense, feed, want = prefilled
   cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(tiny.cfg.attention,
