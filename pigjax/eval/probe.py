@@ -40,6 +40,19 @@ class Capture:
   prompt_len: int  # n: positions [0, n) are the prompt, [n, n + Q) the probed decode tokens
 
 
+def save_capture(cap: Capture, path) -> None:
+  arrays = {f"{name}{i}": x for name in ("q", "k", "v", "q_abs_mean")
+            for i, x in enumerate(getattr(cap, name))}
+  np.savez(path, prompt_len=cap.prompt_len, num_layers=len(cap.q), **arrays)
+
+
+def load_capture(path) -> Capture:
+  z = np.load(path)
+  n = int(z["num_layers"])
+  return Capture(*([z[f"{name}{i}"] for i in range(n)] for name in ("q", "k", "v", "q_abs_mean")),
+                 prompt_len=int(z["prompt_len"]))
+
+
 def capture(model, cfg, ids: list[int], num_queries: int) -> Capture:
   """One dense forward over `ids` (eager, float32), recording q/k/v per layer."""
   import jax.numpy as jnp
@@ -182,7 +195,7 @@ class ProxyTopK:
   def __init__(self, proxy: str, k_keep: int, tail: str = "none", seed: int = 0):
     self.proxy, self.k_keep, self.tail = proxy, k_keep, tail
     self.rng = np.random.default_rng(seed)
-    self.name = f"proxy[{proxy},{tail}]"
+    self.name = f"proxy[{proxy},{tail},k={k_keep}]"
     if proxy.startswith("c"):
       r, b = proxy[1:].split("q")
       self.channels, self.bits = int(r), int(b)
@@ -270,6 +283,7 @@ def evaluate(cap: Capture, sink: int, window: int, sparse_layers, estimators, si
   pool = slice(sink, n - window)
   t_pool = n - window - sink
   out = {}
+  exact: dict = {}  # (layer, query, head) -> (o_ex, lse_ex, o_dense): shared by all estimators
   for est in estimators:
     err2, ref2, read, lookup, calls = [], [], 0.0, 0.0, 0
     for layer in sparse_layers:
@@ -291,10 +305,12 @@ def evaluate(cap: Capture, sink: int, window: int, sparse_layers, estimators, si
           ex = np.r_[0:sink, n - window:n + j + 1]
           for h in heads:
             q = q_QHD[j, h].astype(np.float64)
-            o_ex, l_ex = softmax_part(k_TD[ex] @ q * scale, v_TD[ex])
+            if (layer, j, h) not in exact:
+              exact[layer, j, h] = (*softmax_part(k_TD[ex] @ q * scale, v_TD[ex]),
+                                    softmax_part(k_TD[:n + j + 1] @ q * scale, v_TD[:n + j + 1])[0])
+            o_ex, l_ex, o_d = exact[layer, j, h]
             o_p, l_p, rows, lk = est(q)
             o, _ = merge(o_ex, l_ex, o_p, l_p)
-            o_d, _ = softmax_part(k_TD[:n + j + 1] @ q * scale, v_TD[:n + j + 1])
             e2 += float(np.sum((o - o_d) ** 2))
             r2 += float(np.sum(o_d ** 2))
             read += rows / t_pool
