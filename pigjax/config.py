@@ -17,6 +17,11 @@ import ml_collections
 # The one list of each set of choices: validation everywhere reads these, so adding a choice
 # (as the "int8" store dtype was) is a one-line change here plus its implementation.
 ATTENTION_KINDS = ("dense", "magicpig")
+# Pool estimators of the sparse layers: "magicpig" is the paper's (DESIGN.md section 1, the default
+# and the only one the host kernel runs); "proxy" is score-proxy top-k with a tail estimate
+# (pigjax/estimators.py, issue 12), pure-jnp reference only for now.
+ESTIMATORS = ("magicpig", "proxy")
+PROXY_TAILS = ("mean", "none")
 STORE_DTYPES = ("bfloat16", "float32", "int8")  # host K/V storage of the MagicPIG pool
 MAX_THREADS = 256  # the host store's limit on attention.threads (kMaxThreads in xla_ffi/store.h)
 MAX_NUM_BITS = 16  # codes of more bits make tables of 2^num_bits buckets per (layer, head)
@@ -59,6 +64,10 @@ class AttentionConfig:
   threads: int = 0  # host kernel threads, at most MAX_THREADS; 0 = all hardware threads
   generated_buffer: int = 256  # exact generated tokens kept before they join the pool
   store_dtype: str = "bfloat16"  # pool K/V storage on the host: one of STORE_DTYPES
+  estimator: str = "magicpig"  # pool estimator: one of ESTIMATORS
+  proxy_bits: int = 4  # proxy: bits per channel of the quantized centred keys (index)
+  proxy_fraction: float = 0.03  # proxy: fraction of the pool read exactly (top by proxy score)
+  proxy_tail: str = "mean"  # proxy: one of PROXY_TAILS (estimate the unread keys, or drop them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +118,13 @@ def validate_attention(a: AttentionConfig, num_layers: int | None = None) -> Non
   checks = [
       (a.kind in ATTENTION_KINDS,
        f"attention.kind must be one of {ATTENTION_KINDS}, got {a.kind!r}."),
+      (a.estimator in ESTIMATORS,
+       f"attention.estimator must be one of {ESTIMATORS}, got {a.estimator!r}."),
+      (1 <= a.proxy_bits <= 8, f"attention.proxy_bits must be in [1, 8], got {a.proxy_bits}."),
+      (0.0 < a.proxy_fraction <= 1.0,
+       f"attention.proxy_fraction must be in (0, 1], got {a.proxy_fraction}."),
+      (a.proxy_tail in PROXY_TAILS,
+       f"attention.proxy_tail must be one of {PROXY_TAILS}, got {a.proxy_tail!r}."),
       (a.store_dtype in STORE_DTYPES,
        f"attention.store_dtype must be one of {STORE_DTYPES}, got {a.store_dtype!r}."),
       (1 <= a.num_bits <= MAX_NUM_BITS,

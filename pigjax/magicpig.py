@@ -52,6 +52,12 @@ class MagicPigBackend:
   def __init__(self, cfg: Config):
     a, m = cfg.attention, cfg.model
     validate_attention(a, m.num_layers)
+    if a.estimator != "magicpig":
+      raise ValueError(
+          f"attention.estimator={a.estimator!r} has no host kernel yet: the FFI store runs the "
+          "paper's estimator ('magicpig') only. Use --config.attention.estimator=magicpig, or "
+          "evaluate the other estimators in the pure-jnp reference (scripts/eval_quality.py, "
+          "pigjax.eval.policies).")
     self.cfg = cfg
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}

@@ -3,6 +3,7 @@ resumable end-to-end run of scripts/eval_quality.py's loop (fast: tiny shapes)."
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -56,7 +57,8 @@ def test_dense_policy_equals_engine_dense_decoding(tiny):
   assert stats.extra["pool_fraction"] == 1.0
 
 
-@pytest.mark.parametrize("policy,kw", [("topk", {"k_keep": 1000}), ("quest", {"n_pages": 100})])
+@pytest.mark.parametrize("policy,kw", [("topk", {"k_keep": 1000}), ("quest", {"n_pages": 100}),
+                                       ("proxy", {"k_keep": 1000})])
 def test_full_budget_policies_equal_dense(tiny, prefilled, policy, kw):
   """topk with k >= pool and quest with every page are dense attention; smaller budgets not."""
   runner, dense, feed, want = prefilled
@@ -64,10 +66,45 @@ def test_full_budget_policies_equal_dense(tiny, prefilled, policy, kw):
   got, cache = _run(runner, be, dense, feed)
   np.testing.assert_allclose(got, want, atol=2e-4)
   assert be.stats(cache)["pool_fraction"] == pytest.approx(1.0)
-  small = {"topk": {"k_keep": 8}, "quest": {"n_pages": 1}}[policy]
+  small = {"topk": {"k_keep": 8}, "quest": {"n_pages": 1}, "proxy": {"k_keep": 8}}[policy]
   be = policies.PoolPolicyBackend(tiny.cfg, policy, **small)
   got, cache = _run(runner, be, dense, feed)
   assert np.abs(got - want).max() > 1e-4 and be.stats(cache)["pool_fraction"] < 0.2
+
+
+def test_estimator_proxy_is_selected_by_config(tiny, prefilled):
+  """attention.estimator="proxy" turns the magicpig policy into proxy top-k: reading the whole
+  pool is dense; a small fraction reads that fraction of rows (counted) and differs from dense."""
+  runner, dense, feed, want = prefilled
+  for fraction, tol in [(1.0, 2e-4), (0.05, None)]:
+    cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(
+        tiny.cfg.attention, estimator="proxy", proxy_fraction=fraction))
+    be = policies.PoolPolicyBackend(cfg, "magicpig")
+    got, cache = _run(runner, be, dense, feed)
+    pool = 150 - SINK - WINDOW
+    if tol:
+      np.testing.assert_allclose(got, want, atol=tol)
+      assert be.stats(cache)["pool_fraction"] == pytest.approx(1.0)
+    else:
+      assert np.abs(got - want).max() > 1e-4
+      assert be.stats(cache)["pool_fraction"] == pytest.approx(math.ceil(0.05 * pool) / pool)
+
+
+def test_estimator_proxy_in_the_product_path(tiny):
+  """--config.attention.kind=magicpig --config.attention.estimator=proxy decodes through the
+  engine (make_backend) and reports the attended fraction; reading the whole pool is dense."""
+  from pigjax.pipeline import make_backend
+  sc = SamplingConfig(max_new_tokens=6)
+  prompts = [list(np.random.default_rng(2).integers(3, 250, 120))]
+  want, _, _ = Engine(tiny.cfg, tiny.model).generate(prompts, sc)
+  for fraction in (1.0, 0.1):
+    cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(
+        tiny.cfg.attention, kind="magicpig", estimator="proxy", proxy_fraction=fraction))
+    got, _, stats = Engine(cfg, tiny.model, make_backend(cfg)).generate(prompts, sc)
+    pool = 120 - SINK - WINDOW
+    assert stats.extra["pool_fraction"] == pytest.approx(math.ceil(fraction * pool) / pool)
+    if fraction == 1.0:
+      assert got == want
 
 
 def test_streaming_with_window_covering_context_equals_dense(tiny, prefilled):

@@ -25,8 +25,8 @@ from pigjax.eval import policies, tasks
 from pigjax.eval.runner import Runner
 from pigjax.magicpig import MagicPigBackend
 
-BUDGETED = ("magicpig", "magicpig_ffi", "topk", "quest")
-ORDER = ("dense", "magicpig", "magicpig_ffi", "topk", "quest", "streaming")
+BUDGETED = ("magicpig", "magicpig_ffi", "topk", "proxy", "quest")
+ORDER = ("dense", "magicpig", "magicpig_ffi", "topk", "proxy", "quest", "streaming")
 TASKS = ("copy", "ppl", "passkey", "multikey", "error")
 
 
@@ -109,9 +109,10 @@ class Harness:
             cfg, attention=dataclasses.replace(cfg.attention, kind="magicpig")))
       return self._backends[key]
     kw = {}
-    if m.kind in ("topk", "quest"):
+    if m.kind in ("topk", "proxy", "quest"):
+      # topk and proxy read exactly as many pool rows as magicpig's measured fraction.
       b = self.results["budgets"][str(length)][f"{m.budget[0]},{m.budget[1]}"]
-      kw = {"k_keep": b["k_keep"]} if m.kind == "topk" else {"n_pages": b["n_pages"]}
+      kw = {"n_pages": b["n_pages"]} if m.kind == "quest" else {"k_keep": b["k_keep"]}
     key = (m.kind, m.budget, tuple(kw.items()))
     if key not in self._backends:
       policy = "magicpig" if m.kind == "magicpig" else m.kind

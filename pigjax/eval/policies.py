@@ -5,7 +5,12 @@ the last `window` prompt tokens and every generated token) and the same dense la
 attended in the *pool* (prompt positions [sink, n - window)) differs (EVAL.md, Quality):
 
   dense      the whole pool                                   (full attention, the reference)
-  magicpig   LSH-sampled, importance-weighted set (lsh.pool_attention_ref, paper sections 3-5)
+  magicpig   the configured estimator (attention.estimator): "magicpig" = the LSH-sampled,
+             importance-weighted set (lsh.pool_attention_ref, paper sections 3-5); "proxy" =
+             score-proxy top-k of attention.proxy_fraction of the pool with a tail estimate
+             (estimators.proxy_attention_ref)
+  proxy      score-proxy top-k (estimators.proxy_attention_ref) reading exactly `k_keep` rows,
+             bits and tail from attention.proxy_bits / proxy_tail (matched like topk)
   topk       the exact top-`k_keep` pool keys by score per query head (oracle, lsh.topk_...)
   quest      top `n_pages` pages of 16 pool tokens by the page bound
              sum_d max(q_d min_d, q_d max_d) (Quest, arXiv 2406.10774, section 3)
@@ -34,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, lsh
+from pigjax import attention, estimators, lsh
 from pigjax.config import Config
 
-POLICIES = ("dense", "magicpig", "topk", "quest", "streaming")
+POLICIES = ("dense", "magicpig", "topk", "proxy", "quest", "streaming")
 PAGE = 16  # Quest's page size
 
 
@@ -52,6 +57,8 @@ class PolicyCache:
   codes: tuple  # magicpig: per sparse layer [B, K, S, L] codes of k - mu; else None
   page_min: tuple  # quest: per sparse layer [B, K, P, D]; else None
   page_max: tuple
+  kq: tuple  # proxy: per sparse layer [B, K, S, D] dequantized centred keys (the index); else None
+  vbar: tuple  # proxy: per sparse layer [B, K, D] pool mean value; else None
   probe: jax.Array  # bool scalar: return dense outputs and accumulate the error below
   err2_BY: jax.Array  # f32 per slot and sparse layer: sum over steps of |o_policy - o_dense|^2
   ref2_BY: jax.Array  # f32 likewise: sum of |o_dense|^2
@@ -77,12 +84,14 @@ class PoolPolicyBackend:
   def __init__(self, cfg: Config, pool_policy: str, *, k_keep: int = 0, n_pages: int = 0):
     if pool_policy not in POLICIES:
       raise ValueError(f"Unknown pool_policy {pool_policy!r}; use one of {POLICIES}.")
-    if pool_policy == "topk" and k_keep < 1:
-      raise ValueError(f"topk needs k_keep >= 1, got {k_keep}.")
+    if pool_policy in ("topk", "proxy") and k_keep < 1:
+      raise ValueError(f"{pool_policy} needs k_keep >= 1, got {k_keep}.")
     if pool_policy == "quest" and n_pages < 1:
       raise ValueError(f"quest needs n_pages >= 1, got {n_pages}.")
     a, m = cfg.attention, cfg.model
     self.cfg, self.policy, self.k_keep, self.n_pages = cfg, pool_policy, k_keep, n_pages
+    # The pool rule actually run: "magicpig" follows attention.estimator.
+    self.rule = cfg.attention.estimator if pool_policy == "magicpig" else pool_policy
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.sparse_index = {l: i for i, l in enumerate(self.sparse_layers)}
     self._after_prefill = jax.jit(self._split)
@@ -154,6 +163,16 @@ class PoolPolicyBackend:
     if self.policy == "streaming":
       return (jnp.zeros(q_BHD.shape, jnp.float32), jnp.full((B, H), -jnp.inf, jnp.float32),
               jnp.zeros((B, H), jnp.int32))
+    if self.rule == "proxy":
+      S = k_BKSD.shape[2]
+      if self.policy == "proxy":  # a fixed row count (matched to another method's fraction)
+        k_keep_B, k_max = jnp.minimum(n_pool_BH[:, 0], self.k_keep), self.k_keep
+      else:  # attention.proxy_fraction of each slot's pool
+        k_keep_B = estimators.keep_count(a.proxy_fraction, n_pool_BH[:, 0])
+        k_max = int(np.ceil(a.proxy_fraction * S))
+      return estimators.proxy_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.mu[y],
+                                            cache.kq[y], cache.vbar[y], k_keep_B, k_max,
+                                            tail=a.proxy_tail)
     if self.policy == "magicpig":
       w = self._hash_matrix(self.sparse_layers[y])
       return lsh.pool_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.mu[y], w,
@@ -202,11 +221,15 @@ class PoolPolicyBackend:
     S = dense.max_len
     pos_S = jnp.arange(S)
     pool_BS = (pos_S[None] >= a.sink) & (pos_S[None] < pool_end_B[:, None])
-    mu, codes, pmin, pmax = [], [], [], []
+    mu, codes, pmin, pmax, kq, vbar = [], [], [], [], [], []
     for layer in self.sparse_layers:
       k_BKSD = dense.k[layer].astype(jnp.float32)
       valid_BKS = jnp.broadcast_to(pool_BS[:, None], k_BKSD.shape[:3])
-      if self.policy == "magicpig":
+      if self.rule == "proxy":
+        m_, kq_, _ = estimators.quantize_keys(k_BKSD, valid_BKS, a.proxy_bits)
+        mu.append(m_), kq.append(kq_)
+        vbar.append(estimators.pool_mean_values(dense.v[layer], valid_BKS))
+      elif self.policy == "magicpig":
         m_, c_ = lsh.centre_and_hash(k_BKSD, valid_BKS, self._hash_matrix(layer), a.num_bits,
                                      a.num_tables)
         mu.append(m_), codes.append(c_)
@@ -217,7 +240,8 @@ class PoolPolicyBackend:
     none = lambda xs: tuple(xs) if xs else tuple(None for _ in self.sparse_layers)
     return PolicyCache(
         k=tuple(dense.k), v=tuple(dense.v), lengths_B=n_B, pool_end_B=pool_end_B, mu=none(mu),
-        codes=none(codes), page_min=none(pmin), page_max=none(pmax), probe=jnp.bool_(False),
+        codes=none(codes), page_min=none(pmin), page_max=none(pmax), kq=none(kq), vbar=none(vbar),
+        probe=jnp.bool_(False),
         err2_BY=jnp.zeros((n_B.shape[0], Y), jnp.float32),
         ref2_BY=jnp.zeros((n_B.shape[0], Y), jnp.float32),
         cand_total=jnp.float32(0), pool_total=jnp.float32(0))

@@ -139,7 +139,7 @@ def plots(results, out: Path) -> list[Path]:
   lengths = sorted({r["length"] for r in records})
   methods = _method_order(records)
   family = lambda m: m.split("(")[0].rstrip("~")
-  colours = {"dense": "k", "magicpig": "C0", "magicpig_ffi": "C5", "topk": "C1", "quest": "C2",
+  colours = {"dense": "k", "magicpig": "C0", "magicpig_ffi": "C5", "topk": "C1", "proxy": "C4", "quest": "C2",
              "streaming": "C3"}
   written = []
   fig, axes = plt.subplots(len(lengths), 4, figsize=(13, 3 * len(lengths)), squeeze=False)
@@ -168,7 +168,7 @@ def plots(results, out: Path) -> list[Path]:
   fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.2), squeeze=False)
   for i, length in enumerate(lengths):
     ax = axes[0, i]
-    for fam in ("magicpig", "topk", "quest"):
+    for fam in ("magicpig", "topk", "proxy", "quest"):
       pts = sorted((int(m.split(",")[1].rstrip(")")), s[("strict", length, m)]["error"])
                    for m in methods if family(m) == fam and "error" in s.get(("strict", length, m), {}))
       if pts:

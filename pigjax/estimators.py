@@ -1,0 +1,131 @@
+"""Pool estimators beyond the paper's (issue 12): score-proxy top-k with a tail estimate.
+
+MagicPIG samples the pool by SimHash collisions, which see only the angle between query and key;
+attention weight grows with q . k = |q| |k| cos, so some heavy keys are never drawn and importance
+weights cannot correct a key that was never drawn (DESIGN.md section 6). The "proxy" estimator
+instead scores *every* pool key cheaply and reads only the best:
+
+1. Index (at prefill): the centred keys k~ = k - mu, quantized per channel to `proxy_bits` bits
+   (uniform levels between the channel's min and max over the pool: 2 * D floats per head, and
+   D * bits / 8 bytes per token, 32 at 4 bits against (10,150)'s 604 bytes of table ids + norm).
+2. Proxy scores: s~_i = scale * (q . deq(k~_i) + q . mu) for every pool key (a scan of the index:
+   its bytes are the estimator's lookup cost, reported next to the rows read).
+3. Selection: the k_keep keys with the largest s~ are read (K and V at full precision) and
+   attended exactly: o_top, lse_top. Ties with the k_keep-th proxy score are all kept.
+4. Tail (tail="mean"): the softmax mass of the keys not read is estimated from their proxy scores,
+   lse_tail = logsumexp(s~ over the rest), and their value by the pool's mean V (D floats per
+   head, no row read); merged with the top part by log-sum-exp. With tail="none" the rest is
+   dropped, as top-k does. The tail is what top-k loses on flat heads (vAttention's observation,
+   arXiv 2510.05688); here it costs no row reads.
+
+The probe (`scripts/probe_estimators.py`) measured the variants this module was chosen from.
+This is the pure-jnp, mask-based reference (O(pool) per query, static shapes, jit-able), in the
+shape conventions of `pigjax.lsh`: B batch, H query heads, K kv heads, G query heads per kv head,
+T pool tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pigjax import lsh
+from pigjax.config import PROXY_TAILS
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def quantize_keys(k_BKTD: jax.Array, valid_BKT: jax.Array,
+                  bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Centres the pool keys and quantizes them per channel to 2^bits uniform levels.
+
+  Returns:
+    mu_BKD: mean of the valid keys (0 for an empty pool).
+    kq_BKTD: f32 dequantized centred keys (what the index stores, as values); invalid rows 0.
+    step_BKD: f32 quantization step per channel (for tests and the error bound |kq - k~| <=
+      step / 2).
+  """
+  if not 1 <= bits <= 8:
+    raise ValueError(f"proxy bits must be in [1, 8], got {bits}.")
+  k_BKTD = k_BKTD.astype(jnp.float32)
+  m_BKT1 = valid_BKT[..., None]
+  n_BK1 = jnp.sum(valid_BKT, axis=-1, dtype=jnp.float32)[..., None]
+  mu_BKD = jnp.sum(jnp.where(m_BKT1, k_BKTD, 0.0), axis=2) / jnp.maximum(n_BK1, 1.0)
+  kc_BKTD = k_BKTD - mu_BKD[:, :, None]
+  lo_BKD = jnp.min(jnp.where(m_BKT1, kc_BKTD, jnp.inf), axis=2)
+  hi_BKD = jnp.max(jnp.where(m_BKT1, kc_BKTD, -jnp.inf), axis=2)
+  levels = float((1 << bits) - 1)
+  # A constant channel (or an empty pool) has hi <= lo: step 1 and code 0 keep it exact.
+  ok_BKD = hi_BKD > lo_BKD
+  lo_BKD = jnp.where(jnp.isfinite(lo_BKD), lo_BKD, 0.0)
+  step_BKD = jnp.where(ok_BKD, (hi_BKD - lo_BKD) / levels, 1.0)
+  code_BKTD = jnp.clip(jnp.round((kc_BKTD - lo_BKD[:, :, None]) / step_BKD[:, :, None]), 0.0,
+                       levels)
+  kq_BKTD = jnp.where(m_BKT1, lo_BKD[:, :, None] + code_BKTD * step_BKD[:, :, None], 0.0)
+  return mu_BKD, kq_BKTD, step_BKD
+
+
+def pool_mean_values(v_BKTD: jax.Array, valid_BKT: jax.Array) -> jax.Array:
+  """vbar_BKD: mean V over the valid pool (0 for an empty pool): the tail's value estimate."""
+  n_BK1 = jnp.sum(valid_BKT, axis=-1, dtype=jnp.float32)[..., None]
+  return jnp.sum(jnp.where(valid_BKT[..., None], v_BKTD.astype(jnp.float32), 0.0),
+                 axis=2) / jnp.maximum(n_BK1, 1.0)
+
+
+def keep_count(fraction: float, pool_B: jax.Array) -> jax.Array:
+  """k_keep per slot: ceil(fraction * pool size), at least 1 when the pool is not empty."""
+  pool_B = pool_B.astype(jnp.int32)
+  k_B = jnp.ceil(fraction * pool_B.astype(jnp.float32)).astype(jnp.int32)
+  return jnp.clip(k_B, jnp.minimum(pool_B, 1), pool_B)
+
+
+def proxy_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
+                        valid_BKT: jax.Array, mu_BKD: jax.Array, kq_BKTD: jax.Array,
+                        vbar_BKD: jax.Array, k_keep_B: jax.Array, k_max: int, *,
+                        tail: str = "mean",
+                        scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Proxy top-k attention over the pool (module docstring, steps 2-4).
+
+  Args:
+    q_BHD: queries. k_BKTD, v_BKTD: pool keys (post-RoPE, raw) and values. valid_BKT: bool.
+    mu_BKD, kq_BKTD: from `quantize_keys`. vbar_BKD: from `pool_mean_values`.
+    k_keep_B: int32 rows read per query head, per slot (<= the slot's valid pool size).
+    k_max: static upper bound of k_keep_B (the top_k width), >= 1.
+    tail: one of PROXY_TAILS.
+    scale: score scale, default 1/sqrt(D).
+
+  Returns:
+    o_BHD f32, lse_BH f32 (-inf and o = 0 for an empty pool), count_BH int32: pool rows read.
+  """
+  if tail not in PROXY_TAILS:
+    raise ValueError(f"proxy tail must be one of {PROXY_TAILS}, got {tail!r}.")
+  lsh.check_finite("proxy_attention_ref", q=q_BHD, k=(k_BKTD, valid_BKT), v=(v_BKTD, valid_BKT))
+  num_kv = k_BKTD.shape[1]
+  q_BKGD = lsh.group_heads(q_BHD, num_kv)
+  if scale is None:
+    scale = 1.0 / (q_BKGD.shape[-1] ** 0.5)
+  qmu_BKG = jnp.einsum("bkgd,bkd->bkg", q_BKGD, mu_BKD.astype(jnp.float32), precision=_HIGHEST)
+  sp_BKGT = (jnp.einsum("bkgd,bktd->bkgt", q_BKGD, kq_BKTD, precision=_HIGHEST)
+             + qmu_BKG[..., None]) * scale
+  valid_BKGT = jnp.broadcast_to(valid_BKT[:, :, None], sp_BKGT.shape)
+  sp_BKGT = jnp.where(valid_BKGT, sp_BKGT, -jnp.inf)
+  width = max(1, min(k_max, sp_BKGT.shape[-1]))
+  top_BKGW = jax.lax.top_k(sp_BKGT, width)[0]
+  idx_B = jnp.clip(k_keep_B - 1, 0, width - 1)
+  kth_BKG = jnp.take_along_axis(top_BKGW, idx_B[:, None, None, None], axis=-1)[..., 0]
+  keep_BKGT = valid_BKGT & (sp_BKGT >= kth_BKG[..., None]) & (k_keep_B > 0)[:, None, None, None]
+
+  s_BKGT = lsh.head_scores(q_BKGD, k_BKTD, scale)
+  o_BKGD, lse_BKG = lsh.masked_attention(s_BKGT, keep_BKGT, v_BKTD)
+  if tail == "mean":
+    rest_BKGT = valid_BKGT & ~keep_BKGT
+    _, lse_rest_BKG = lsh.masked_attention(sp_BKGT, rest_BKGT, v_BKTD[..., :1])
+    vbar_BKGD = jnp.broadcast_to(vbar_BKD[:, :, None].astype(jnp.float32), o_BKGD.shape)
+    o_BKGD, lse_BKG = lsh.merge_attention(o_BKGD, lse_BKG, vbar_BKGD, lse_rest_BKG)
+  o_BHD, lse_BH = lsh.ungroup_heads(o_BKGD, lse_BKG)
+  b, k, g, t = keep_BKGT.shape
+  return o_BHD, lse_BH, jnp.sum(keep_BKGT.reshape(b, k * g, t), axis=-1, dtype=jnp.int32)
+
+
+def index_bytes_per_token(bits: int, head_dim: int) -> float:
+  """Bytes of index per pool token and KV head (also the bytes one decode step scans per token)."""
+  return bits * head_dim / 8.0
