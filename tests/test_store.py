@@ -62,7 +62,10 @@ def _store(num_slots, K, num_bits, num_tables, capacity, dtype="float32", **kw):
 
 def _insert_attend(store, d, slots, layer=1):
   n = store_insert(store.handle, layer, slots, d["k"], d["v"], d["codes"], d["lengths"], d["mu"])
-  return n, store_attend(store.handle, layer, slots, d["q"], d["qcodes"], n)
+  # Wait for the results: callers read them after the store's `with` block, and jax dispatches
+  # asynchronously, so on a busy machine the calls could otherwise run after the store closed.
+  return jax.block_until_ready((n, store_attend(store.handle, layer, slots, d["q"], d["qcodes"],
+                                                n)))
 
 
 # ------------------------------------------------------------------------------------------------
