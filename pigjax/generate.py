@@ -15,6 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from pigjax import config as config_lib
+from pigjax import placement
 from pigjax.pipeline import Pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
@@ -39,6 +40,7 @@ def main(argv):
   if not prompts:
     raise app.UsageError("Give --prompt or --prompt_file.")
 
+  placement.quiet_jax_logs()
   if _CACHE.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   pipe = Pipeline.load(cfg)

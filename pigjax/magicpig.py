@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, lsh
+from pigjax import attention, lsh, placement
 from pigjax.config import Config
 from pigjax.store import HostKVStore, store_attend, store_insert
 
@@ -61,6 +61,7 @@ class MagicPigBackend:
     if not 1 <= a.num_bits <= 16 or a.num_tables < 2:
       raise ValueError(f"Need 1 <= num_bits <= 16 and num_tables >= 2; got num_bits={a.num_bits}, "
                        f"num_tables={a.num_tables}.")
+    placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}

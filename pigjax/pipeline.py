@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
-from pigjax import sampling, weights
+from pigjax import placement, sampling, weights
 from pigjax.config import Config, SamplingConfig
 from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
 from pigjax.model import Llama, from_hf_tensors
@@ -96,6 +96,7 @@ class Pipeline:
     t0 = time.perf_counter()
     model_cfg, tensors, tokenizer = load_model_and_tokenizer(cfg.checkpoint, progress)
     cfg = dataclasses.replace(cfg, model=model_cfg)
+    placement.place_for(cfg.attention.kind)  # before any weight reaches a device
     model = from_hf_tensors(model_cfg, tensors, dtype=_DTYPES[cfg.dtype])
     del tensors
     engine = Engine(cfg, model, make_backend(cfg))
