@@ -4,8 +4,9 @@ programs that prefill one request, put it into a row, and step every row at once
 All programs are compiled once per shape and reused across requests: the running batch always has
 `slots` rows and `cache_len` positions, prefill chunks are bucketed (powers of two up to
 `prefill_chunk`), and each row's sampling parameters are [B] operands (`sampling.RowSampling`), so
-admitting a request with new settings never recompiles. The only static switches are whether any
-row samples and whether any row has a repetition penalty (at most four decode programs).
+admitting a request with new settings never recompiles. The one static switch: a plain-greedy
+program while every row is greedy without penalty, the full sampler otherwise (two programs; a
+greedy row gets the same token from both).
 
 The model pieces are `pigjax.engine.Engine`'s (`_prefill_chunk`, `_decode_logits`,
 `_hidden_logits`, its compile cache); this module only adds per-row sampling and row insertion.
@@ -43,6 +44,11 @@ class Prefill:
   @property
   def finished(self) -> bool:
     return self.done_tokens >= len(self.prompt_ids)
+
+
+def needs_full_sampler(rows: Sequence[Any]) -> bool:
+  """Whether some row samples or penalises repeats (else plain argmax serves every row)."""
+  return any(r.temperature > 0 or r.repetition_penalty != 1.0 for r in rows)
 
 
 class SlotBatch:
@@ -113,20 +119,18 @@ class SlotBatch:
       insert = self.engine._compile("insert_row", self.backend.insert_row, (), (0,), *args)
       self.cache = insert(*args)
     rows = sampling.RowSampling.from_rows([row])
-    penalize, stochastic = row.repetition_penalty != 1.0, row.temperature > 0
+    full = needs_full_sampler([row])
     args = (self.params, p.last_hidden_1E, jnp.asarray([seed], jnp.int32),
-            jnp.zeros((1,), jnp.int32), rows, jnp.asarray(history_S[None]))
+            jnp.zeros((1,), jnp.int32), rows,
+            jnp.asarray(history_S[None] if full else np.zeros((1, 1), np.int32)))
     first = self.engine._compile(
-        "first_rows", functools.partial(self._first_rows, penalize=penalize,
-                                        stochastic=stochastic), (penalize, stochastic), (), *args)
+        "first_rows", functools.partial(self._first_rows, full=full), (full,), (), *args)
     return int(first(*args)[0])
 
-  def _first_rows(self, params, last_hidden_BE, seeds_B, counters_B, rows, history_BS, *,
-                  penalize, stochastic):
+  def _first_rows(self, params, last_hidden_BE, seeds_B, counters_B, rows, history_BS, *, full):
     logits_BV = self.engine._hidden_logits(params, last_hidden_BE)
     return sampling.sample_rows(logits_BV, sampling.row_keys(seeds_B, counters_B), rows,
-                                penalize=penalize, stochastic=stochastic,
-                                prev_tokens_BT=history_BS)
+                                penalize=full, stochastic=full, prev_tokens_BT=history_BS)
 
   # -- decode -------------------------------------------------------------------------------
 
@@ -136,24 +140,23 @@ class SlotBatch:
     self.backend.free_row(slot)
 
   def step(self, tokens_B: np.ndarray, seeds_B: np.ndarray, counters_B: np.ndarray,
-           rows: sampling.RowSampling, history_BS: np.ndarray | None, active_B: np.ndarray,
-           stochastic: bool) -> np.ndarray:
+           rows: sampling.RowSampling, history_BS: np.ndarray | None,
+           active_B: np.ndarray) -> np.ndarray:
     """One decode step of every row; returns each row's next token (idle rows' are junk).
 
     Args:
       tokens_B: each row's last token. seeds_B, counters_B: per-row PRNG seed and draw index.
-      rows: per-row sampling settings. history_BS: prompt + generated ids (-1 padded) when some
-        row has a repetition penalty, else None. active_B: rows holding a request.
-      stochastic: some row samples (temperature > 0).
+      rows: per-row sampling settings.
+      history_BS: prompt + generated ids (-1 padded) when some row samples or has a repetition
+        penalty (the full sampler), None when every row is plain greedy.
+      active_B: rows holding a request.
     """
-    penalize = history_BS is not None
-    hist = jnp.asarray(history_BS) if penalize else jnp.zeros((self.slots, 1), jnp.int32)
+    full = history_BS is not None
+    hist = jnp.asarray(history_BS) if full else jnp.zeros((self.slots, 1), jnp.int32)
     args = (self.params, self.cache, jnp.asarray(tokens_B, jnp.int32),
             jnp.asarray(seeds_B, jnp.int32), jnp.asarray(counters_B, jnp.int32), rows, hist)
     decode = self.engine._compile(
-        "decode_rows", functools.partial(self._decode_rows, penalize=penalize,
-                                         stochastic=stochastic), (penalize, stochastic), (1,),
-        *args)
+        "decode_rows", functools.partial(self._decode_rows, full=full), (full,), (1,), *args)
     next_B, self.cache = decode(*args)
     if self.backend.needs_maintenance(self.cache):
       args = (self.cache, jnp.asarray(active_B, bool))
@@ -162,11 +165,10 @@ class SlotBatch:
     return np.asarray(jax.block_until_ready(next_B))
 
   def _decode_rows(self, params, cache, tokens_B, seeds_B, counters_B, rows, history_BS, *,
-                   penalize, stochastic):
+                   full):
     logits_BV, cache = self.engine._decode_logits(params, cache, tokens_B)
     next_B = sampling.sample_rows(logits_BV, sampling.row_keys(seeds_B, counters_B), rows,
-                                  penalize=penalize, stochastic=stochastic,
-                                  prev_tokens_BT=history_BS)
+                                  penalize=full, stochastic=full, prev_tokens_BT=history_BS)
     return next_B, cache
 
   def sync(self) -> None:

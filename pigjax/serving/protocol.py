@@ -3,7 +3,7 @@
 Only the fields pigjax acts on are read; a field pigjax cannot honour (n > 1, logprobs,
 non-zero presence/frequency penalties, tools) is refused with a 400 that names it rather than
 silently ignored. Sampling extensions accepted beside OpenAI's own: top_k, min_p,
-repetition_penalty.
+repetition_penalty, and ignore_eos (vLLM's: generate max_tokens tokens, for benchmarks).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_ope
     raise _bad(name, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got "
                      f"{v!r}.")
   if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-    rng = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in [{lo}, {hi}]"
+    rng = (f"{'>' if lo_open else '>='} {lo}" if hi is None else
+           f"in {'(' if lo_open else '['}{lo}, {hi}]")
     raise _bad(name, f"'{name}' must be {rng}, got {v!r}.")
   return kind(v)
 
@@ -79,7 +80,7 @@ def parse_params(body: dict, default_max_tokens: int) -> RequestParams:
       top_k=_number(body, "top_k", 0, int, lo=0),
       min_p=_number(body, "min_p", 0.0, lo=0, hi=1),
       repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True),
-      seed=seed, stop=tuple(s for s in stop if s))
+      seed=seed, stop=tuple(s for s in stop if s), ignore_eos=bool(body.get("ignore_eos", False)))
 
 
 def check_model(body: dict, served: str) -> None:

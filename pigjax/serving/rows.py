@@ -68,12 +68,24 @@ class RowMagicPigBackend(MagicPigBackend):
 
   def init_running(self, batch: int, max_len: int, dtype) -> MagicPigCache:
     """An empty running cache of `batch` rows; (re)creates the host store with that many slots."""
-    dense = self.create_cache(batch, max_len, dtype)
-    cache = self.after_prefill(dense, jnp.zeros((batch,), jnp.int32))
-    zeros_B = jnp.zeros((batch,), jnp.int32)
-    return dataclasses.replace(cache, gen_count=zeros_B,
-                               cand_total=jnp.zeros((batch,), jnp.float32),
-                               pool_total=jnp.zeros((batch,), jnp.float32))
+    dense = self.create_cache(batch, max_len, dtype)  # sizes the store; its rows are empty
+    a, m = self.cfg.attention, self.cfg.model
+    X = a.sink + a.window + a.generated_buffer
+    exact = lambda: jnp.zeros((batch, m.num_kv_heads, X, m.head_dim), dtype)
+    sparse = [l in self.store_index for l in range(m.num_layers)]
+    return MagicPigCache(
+        k=tuple(exact() if s else k for s, k in zip(sparse, dense.k)),
+        v=tuple(exact() if s else v for s, v in zip(sparse, dense.v)),
+        lengths_B=jnp.zeros((batch,), jnp.int32),
+        exact_pos_BX=jnp.full((batch, X), -1, jnp.int32),
+        gen_count=jnp.zeros((batch,), jnp.int32),
+        mu=tuple(jnp.zeros((batch, m.num_kv_heads, m.head_dim), jnp.float32) if s else None
+                 for s in sparse),
+        w=tuple(lsh.simhash_matrix(a.seed, l, m.head_dim, a.num_bits, a.num_tables,
+                                   a.per_layer_hash) if s else None for l, s in enumerate(sparse)),
+        pool_len_B=jnp.zeros((batch,), jnp.int32),
+        handle=jnp.int32(self.store.handle if self.store is not None else -1),
+        cand_total=jnp.zeros((batch,), jnp.float32), pool_total=jnp.zeros((batch,), jnp.float32))
 
   def free_row(self, slot: int) -> None:
     """Empties the row's host-store slot, so an idle row attends an empty pool. The caller must

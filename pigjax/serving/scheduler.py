@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pigjax import sampling
-from pigjax.serving.batch import Prefill, SlotBatch
+from pigjax.serving.batch import Prefill, SlotBatch, needs_full_sampler
 
 log = logging.getLogger("pigjax.serving")
 
@@ -45,6 +45,7 @@ class RequestParams:
   repetition_penalty: float = 1.0
   seed: int | None = None  # None: a random seed
   stop: tuple[str, ...] = ()
+  ignore_eos: bool = False  # keep going past end-of-sequence ids (benchmarks)
 
   def validate(self) -> None:
     """Raises ValueError naming the first bad field (OpenAI's names)."""
@@ -116,6 +117,7 @@ class Scheduler:
     self._history_BS = np.full((B, batch.cache_len), -1, np.int32)
     self._params: list[RequestParams] = [RequestParams()] * B
     self.steps = 0  # decode steps run (for tests and stats)
+    self.finished: collections.Counter[str] = collections.Counter()  # requests by finish reason
 
   # -- thread-safe API ----------------------------------------------------------------------
 
@@ -137,7 +139,7 @@ class Scheduler:
     seed = params.seed if params.seed is not None else random.randrange(2**31)
     req = _Request(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
                    on_output=on_output, seed=int(seed) % 2**31,
-                   checker=sampling.StopChecker(self.tokenizer.stop_ids, params.stop,
+                   checker=sampling.StopChecker(() if params.ignore_eos else self.tokenizer.stop_ids, params.stop,
                                                 self.tokenizer))
     with self._lock:
       self._waiting.append(req)
@@ -258,10 +260,9 @@ class Scheduler:
   def _decode(self) -> None:
     active_B = np.array([r is not None for r in self._rows])
     rows = sampling.RowSampling.from_rows(self._params)
-    penalize = any(r is not None and r.params.repetition_penalty != 1.0 for r in self._rows)
-    stochastic = any(r is not None and r.params.temperature > 0 for r in self._rows)
+    full = needs_full_sampler([r.params for r in self._rows if r is not None])
     next_B = self.batch.step(self._tokens_B, self._seeds_B, self._counters_B, rows,
-                             self._history_BS if penalize else None, active_B, stochastic)
+                             self._history_BS if full else None, active_B)
     self.steps += 1
     for b, req in enumerate(self._rows):
       if req is not None:
@@ -300,6 +301,8 @@ class Scheduler:
 
   def _emit(self, req: _Request, text: str, ids: list[int], reason: str | None,
             pool_fraction: float | None = None) -> None:
+    if reason is not None:
+      self.finished[reason] += 1
     try:
       req.on_output(Output(req.id, text, ids, reason, len(req.prompt_ids), len(req.new_ids),
                            pool_fraction))

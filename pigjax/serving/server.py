@@ -44,7 +44,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, attention: str,
   async def health():
     return {"status": "ok", "model": model_name, "attention": attention,
             "slots": scheduler.batch.slots, "running": scheduler.num_running,
-            "waiting": scheduler.num_waiting}
+            "waiting": scheduler.num_waiting, "finished": dict(scheduler.finished)}
 
   @app.get("/v1/models")
   async def models():
