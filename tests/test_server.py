@@ -117,7 +117,7 @@ def test_chat_and_completions_stream_and_not(servers):
   assert stream_text(client, "Once upon a time", max_tokens=10) == comp.choices[0].text
   # Raw SSE: events end with [DONE]; without include_usage there is no usage chunk.
   with httpx.stream("POST", servers["dense"].url + "/v1/completions", json={
-      "model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
+      "model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}, timeout=300) as r:
     lines = [l for l in r.iter_lines() if l]
   assert lines[-1] == "data: [DONE]"
   events = [json.loads(l[len("data: "):]) for l in lines[:-1]]
@@ -192,7 +192,7 @@ def test_bad_requests_get_json_errors_and_the_server_keeps_serving(servers):
       ("/completions", {"prompt": "x"}, 400, "model"),
   ]
   for path, body, status, param in cases:
-    r = httpx.post(url + path, json=body)
+    r = httpx.post(url + path, json=body, timeout=60)
     assert r.status_code == status, (body, r.text)
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"], err
