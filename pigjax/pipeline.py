@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 
 from pigjax import placement, sampling, weights
-from pigjax.config import Config, SamplingConfig
+from pigjax.config import AttentionConfig, Config, SamplingConfig
 from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
 from pigjax.model import Llama, from_hf_tensors
 from pigjax.tokenizer import Tokenizer
@@ -101,6 +101,13 @@ class Pipeline:
     del tensors
     engine = Engine(cfg, model, make_backend(cfg))
     return cls(cfg, model, tokenizer, engine, load_s=time.perf_counter() - t0)
+
+  def with_attention(self, attention: AttentionConfig) -> Pipeline:
+    """The same weights and tokenizer with another attention backend (nothing is reloaded)."""
+    cfg = dataclasses.replace(self.cfg, attention=attention)
+    validate(cfg)
+    placement.place_for(attention.kind)
+    return dataclasses.replace(self, cfg=cfg, engine=Engine(cfg, self.model, make_backend(cfg)))
 
   def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
     """Prompt ids; with `chat`, rendered through the checkpoint's chat template first."""
