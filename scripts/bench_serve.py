@@ -15,6 +15,7 @@ start-up and in one untimed warm-up request per concurrency level.
 
 import concurrent.futures
 import json
+import logging
 import os
 import socket
 import statistics
@@ -114,6 +115,7 @@ def measure(url: str, model: str, clients: int, text: str) -> dict:
 
 def main(argv):
   del argv
+  logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
   text = Path(_PROMPT_FILE.value).read_text()
   runs = []
   for kind in _KINDS.value:
