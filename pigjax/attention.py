@@ -82,8 +82,90 @@ def causal_visibility(positions_BT: jax.Array, num_keys: int) -> jax.Array:
   return jnp.arange(num_keys)[None, None, :] <= positions_BT[:, :, None]
 
 
+# Keys per block of the blocked attention. 512 keys x 512 queries x G heads of float32 scores is
+# a few MB per kv head: large enough that the matmuls stay efficient and the while loop's
+# per-block overhead is small, small enough that the work tracks the filled prefix closely.
+KEY_BLOCK = 512
+
+
+def key_block(num_keys: int, want: int | None = None) -> int:
+  """The block size for a cache of num_keys positions: `want` (default KEY_BLOCK) if it divides
+  the cache, else the largest divisor of num_keys in [want / 8, want], else the whole cache as one
+  block."""
+  want = want or KEY_BLOCK
+  if num_keys <= want:
+    return num_keys
+  for b in range(want, max(want // 8, 1) - 1, -1):
+    if num_keys % b == 0:
+      return b
+  return num_keys
+
+
+def causal_attend_blocked(q_BTHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array,
+                          positions_BT: jax.Array, block: int | None = None) -> jax.Array:
+  """Causal attention over the filled prefix only, one key block at a time (online softmax).
+
+  Query t of row b sees key positions <= positions_BT[b, t]. The loop runs over key blocks up to
+  the last one any query of this call can see, so a chunk's cost grows with the prefix that is
+  filled, not with the cache size, and blocks wholly in every query's future are never read
+  (FlashAttention's schedule; its running max and sum keep the result exact).
+
+  Returns:
+    out_BTHD (float32; zero for a query that sees nothing, which only a negative position can do).
+  """
+  B, T, H, D = q_BTHD.shape
+  K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+  G = H // K
+  block = key_block(S) if block is None else block
+  if S % block:
+    raise ValueError(f"key block {block} must divide the cache length {S}.")
+  # Scale once here rather than every score; (b, k) lead so each block is one batched matmul.
+  q_BKGTD = jnp.transpose(q_BTHD.reshape(B, T, K, G, D), (0, 2, 3, 1, 4)) * jnp.asarray(
+      D**-0.5, q_BTHD.dtype)
+  last_visible = jnp.clip(jnp.max(positions_BT), 0, S - 1)
+  num_blocks = last_visible // block + 1
+
+  def body(i, carry):
+    m_BKGT, l_BKGT, acc_BKGTD = carry
+    start = i * block
+    k_BKsD = jax.lax.dynamic_slice_in_dim(k_BKSD, start, block, axis=2)
+    v_BKsD = jax.lax.dynamic_slice_in_dim(v_BKSD, start, block, axis=2)
+    s_BKGTs = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k_BKsD, preferred_element_type=jnp.float32)
+    visible_BTs = (start + jnp.arange(block))[None, None, :] <= positions_BT[:, :, None]
+    s_BKGTs = jnp.where(visible_BTs[:, None, None], s_BKGTs, -jnp.inf)
+    m_new = jnp.maximum(m_BKGT, jnp.max(s_BKGTs, axis=-1))
+    # A query that has seen nothing yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p_BKGTs = jnp.exp(s_BKGTs - m_safe[..., None])
+    rescale = jnp.exp(m_BKGT - m_safe)
+    l_BKGT = l_BKGT * rescale + jnp.sum(p_BKGTs, axis=-1)
+    acc_BKGTD = acc_BKGTD * rescale[..., None] + jnp.einsum(
+        "bkgts,bksd->bkgtd", p_BKGTs.astype(v_BKSD.dtype), v_BKsD,
+        preferred_element_type=jnp.float32)
+    return m_new, l_BKGT, acc_BKGTD
+
+  init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+          jnp.zeros((B, K, G, T, D), jnp.float32))
+  _, l_BKGT, acc_BKGTD = jax.lax.fori_loop(0, num_blocks, body, init)
+  out_BKGTD = acc_BKGTD / jnp.where(l_BKGT > 0, l_BKGT, 1.0)[..., None]
+  return jnp.transpose(out_BKGTD, (0, 3, 1, 2, 4)).reshape(B, T, H, D)
+
+
 def dense_attend(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache):
-  """The dense backend: write this call's keys/values, attend causally over the slot's cache."""
+  """The dense backend: write this call's keys/values, attend causally over the slot's filled
+  prefix (blocked: the padded tail of the cache is never read)."""
+  k = write_kv(cache.k[layer], k_BTKD, cache.lengths_B)
+  v = write_kv(cache.v[layer], v_BTKD, cache.lengths_B)
+  T = q_BTHD.shape[1]
+  positions_BT = cache.lengths_B[:, None] + jnp.arange(T)[None, :]
+  out_BTHD = causal_attend_blocked(q_BTHD, k, v, positions_BT)
+  cache = dataclasses.replace(cache, k=replace_at(cache.k, layer, k), v=replace_at(cache.v, layer, v))
+  return out_BTHD, cache
+
+
+def dense_attend_full(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache):
+  """dense_attend over the whole padded cache in one masked softmax (the pre-blocking path; kept
+  as the reference the blocked path is tested against)."""
   k = write_kv(cache.k[layer], k_BTKD, cache.lengths_B)
   v = write_kv(cache.v[layer], v_BTKD, cache.lengths_B)
   T = q_BTHD.shape[1]

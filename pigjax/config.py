@@ -9,9 +9,17 @@ these dataclasses (`to_config_dict`), so the CLI can take dotted overrides
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import ml_collections
+
+# The one list of each set of choices: validation everywhere reads these, so adding a choice
+# (say an "int8" store dtype) is a one-line change here plus its implementation.
+ATTENTION_KINDS = ("dense", "magicpig")
+STORE_DTYPES = ("bfloat16", "float32")  # host K/V storage of the MagicPIG pool
+MAX_THREADS = 256  # the host store's limit on attention.threads (kMaxThreads in xla_ffi/store.h)
+MAX_NUM_BITS = 16  # codes of more bits make tables of 2^num_bits buckets per (layer, head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +48,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Which attention runs in decode, and MagicPIG's settings (DESIGN.md section 1)."""
-  kind: str = "dense"  # "dense" | "magicpig"
+  kind: str = "dense"  # one of ATTENTION_KINDS
   num_bits: int = 10  # K: bits per LSH table
   num_tables: int = 150  # L: number of LSH tables
   sink: int = 4  # first prompt tokens kept exact
@@ -48,9 +56,9 @@ class AttentionConfig:
   dense_layers: tuple[int, ...] = (0, 16)  # layers that stay fully dense
   seed: int = 0  # seed of the SimHash matrices
   per_layer_hash: bool = True  # one SimHash matrix per layer (else shared)
-  threads: int = 0  # host kernel threads; 0 = all hardware threads
+  threads: int = 0  # host kernel threads, at most MAX_THREADS; 0 = all hardware threads
   generated_buffer: int = 256  # exact generated tokens kept before they join the pool
-  store_dtype: str = "bfloat16"  # pool K/V storage on the host: "bfloat16" | "float32"
+  store_dtype: str = "bfloat16"  # pool K/V storage on the host: one of STORE_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,16 @@ class Config:
   # Face Llama directory or an Orbax checkpoint written by scripts/convert_checkpoint.py.
   checkpoint: str = "smollm2"
   dtype: str = "float32"  # activations and weights: "float32" | "bfloat16"
+  # Weights of the decode step's matmuls: "dense" (XLA matmuls on `dtype` weights), "q8_0" |
+  # "q4_0" | "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's
+  # own blocks as stored; Q8_0 for tensors in other formats) or "auto" ("gguf" for a GGUF
+  # checkpoint, "dense" otherwise). Prefill always uses the dense weights. The default stays
+  # "dense" until the quantized path is measured faster on a quiet machine (BENCHMARKS.md).
+  weights: str = "dense"
+  # Activation precision of the quantized kernel: 16 (two int8 bytes per value: the decode step
+  # computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one byte, as
+  # llama.cpp does: one integer dot per block instead of two, errors of about 1%).
+  act_bits: int = 16
   max_seq_len: int = 4096  # cache capacity per sequence (prompt + generated)
   prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks
   # The architecture is read from the checkpoint when it is loaded and replaces this section;
@@ -89,13 +107,70 @@ class Config:
   serve: ServeConfig = ServeConfig()
 
 
+def validate_attention(a: AttentionConfig, num_layers: int | None = None) -> None:
+  """Raises ValueError naming the first bad attention setting, whatever `a.kind` is.
+
+  Settings that only MagicPIG uses are checked on dense runs too: a typo in them is a mistake
+  whichever backend runs. `num_layers` (known once a checkpoint is read) bounds dense_layers;
+  only MagicPIG passes it, as dense runs ignore dense_layers and the default (0, 16) names a
+  layer that small models lack.
+  """
+  checks = [
+      (a.kind in ATTENTION_KINDS,
+       f"attention.kind must be one of {ATTENTION_KINDS}, got {a.kind!r}."),
+      (a.store_dtype in STORE_DTYPES,
+       f"attention.store_dtype must be one of {STORE_DTYPES}, got {a.store_dtype!r}."),
+      (1 <= a.num_bits <= MAX_NUM_BITS,
+       f"attention.num_bits must be in [1, {MAX_NUM_BITS}], got {a.num_bits}."),
+      (a.num_tables >= 2, f"attention.num_tables must be >= 2 (a candidate collides in at least "
+                          f"2 tables), got {a.num_tables}."),
+      (a.sink >= 0, f"attention.sink must be >= 0, got {a.sink}."),
+      (a.window >= 0, f"attention.window must be >= 0, got {a.window}."),
+      (a.generated_buffer >= 2,
+       f"attention.generated_buffer must be >= 2, got {a.generated_buffer}."),
+      (0 <= a.threads <= MAX_THREADS, f"attention.threads must be in [0, {MAX_THREADS}] "
+                                      f"(0 = all hardware threads), got {a.threads}."),
+      (all(l >= 0 for l in a.dense_layers),
+       f"attention.dense_layers must be layer indices >= 0, got {a.dense_layers}."),
+  ]
+  if num_layers is not None:
+    bad = [l for l in a.dense_layers if l >= num_layers]
+    checks.append((not bad, f"attention.dense_layers {bad} out of range for a {num_layers}-layer "
+                            f"model (layers 0..{num_layers - 1})."))
+  for ok, message in checks:
+    if not ok:
+      raise ValueError(message)
+
+
+def check_override_path(path: str, cls: type = Config) -> None:
+  """Raises ValueError unless the dotted `path` (as in `--config.a.b=v`) names a config field.
+
+  The message names the unknown key and the keys known at that level.
+  """
+  parts = path.split(".")
+  for i, name in enumerate(parts):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    where = ".".join(["config", *parts[:i]])
+    if name not in fields:
+      raise ValueError(f"Unknown config key {name!r} in --config.{path}; the keys of {where} "
+                       f"are: {', '.join(sorted(fields))}.")
+    default = getattr(cls(), name)
+    if i + 1 < len(parts):
+      if not dataclasses.is_dataclass(default):
+        raise ValueError(f"--config.{path}: config.{'.'.join(parts[:i + 1])} is a "
+                         f"{type(default).__name__}, not a section with keys.")
+      cls = type(default)
+
+
 def to_config_dict(cfg: Any) -> ml_collections.ConfigDict:
-  """A dataclass config as a (locked) ConfigDict; tuples become lists."""
+  """A dataclass config as a (locked) ConfigDict.
+
+  Tuples stay tuples: ml_collections' flags parse a tuple override (`--config.x='(0, 8)'`) but
+  cannot override a list.
+  """
   def convert(x):
     if dataclasses.is_dataclass(x):
       return {f.name: convert(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    if isinstance(x, tuple):
-      return list(x)
     return x
   d = ml_collections.ConfigDict(convert(cfg))
   d.lock()
@@ -111,13 +186,28 @@ def from_config_dict(d: Any, cls: type = Config) -> Any:
   if unknown:
     raise ValueError(
         f"Unknown config key(s) {unknown} for {cls.__name__}; known keys: {sorted(fields)}.")
+  hints = typing.get_type_hints(cls)
   kwargs = {}
   for name, value in d.items():
     default = getattr(cls(), name)
     if dataclasses.is_dataclass(default):
       kwargs[name] = from_config_dict(value, type(default))
     elif isinstance(default, tuple):
-      kwargs[name] = tuple(value)
+      kwargs[name] = _as_tuple(f"{cls.__name__}.{name}", value, typing.get_args(hints[name])[0])
     else:
       kwargs[name] = value
   return cls(**kwargs)
+
+
+def _as_tuple(name: str, value: Any, item_type: type) -> tuple:
+  """value as a tuple of item_type; a single item becomes a 1-tuple."""
+  if isinstance(value, (str, int)) and not isinstance(value, bool):
+    value = (value,)
+  if not isinstance(value, (tuple, list)):
+    raise ValueError(f"{name} must be a tuple of {item_type.__name__}, got {value!r}.")
+  bad = [v for v in value if not isinstance(v, item_type) or isinstance(v, bool)]
+  if bad:
+    raise ValueError(f"{name} must be a tuple of {item_type.__name__}, got {tuple(value)!r} "
+                     f"(for example --config.attention.dense_layers='(0, 8)' or "
+                     f"--config.sampling.stop_strings='(\"\\n\\n\", \"END\")').")
+  return tuple(value)

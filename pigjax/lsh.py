@@ -210,6 +210,30 @@ def candidate_mask(q_BHD: jax.Array, codes_BKTL: jax.Array, valid_BKT: jax.Array
   return cand_BKGT.reshape(b, k * g, t)
 
 
+def check_finite(fn: str, **operands) -> None:
+  """Non-finite policy, shared with the host store (xla_ffi/store.h): a NaN or +-Inf in a query,
+  key, value or mean is an error that names the operand and its first bad index.
+
+  The store's FFI calls raise it at run time. This pure-jnp reference raises the same ValueError
+  when called on concrete arrays; under `jax.jit` (tracers) it cannot raise, checks nothing and
+  the NaN propagates into o and lse. An operand may be given as (array, valid mask) so that only
+  valid entries count, as the store reads only the first `lengths` tokens of an insert.
+  """
+  import numpy as np  # only for the eager check
+
+  for name, x in operands.items():
+    x, valid = x if isinstance(x, tuple) else (x, None)
+    if isinstance(x, jax.core.Tracer) or isinstance(valid, jax.core.Tracer):
+      continue
+    bad = ~np.isfinite(np.asarray(x, np.float32))
+    if valid is not None:
+      bad &= np.broadcast_to(np.asarray(valid)[..., None], bad.shape)
+    if bad.any():
+      idx = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"{fn}: {name}{list(idx)} = {np.asarray(x, np.float32)[idx]} is not "
+                       "finite; only finite keys, values, means and queries are accepted.")
+
+
 def pool_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
                        valid_BKT: jax.Array, mu_BKD: jax.Array, w: jax.Array, num_bits: int,
                        num_tables: int, *, codes_BKTL: jax.Array | None = None,
@@ -229,7 +253,12 @@ def pool_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
 
   Returns:
     o_BHD f32 (0 where S is empty), lse_BH f32 (-inf where S is empty), count_BH int32 = |S|.
+
+  Raises:
+    ValueError: a non-finite q, valid k or v, or mu, on concrete inputs (see `check_finite`).
   """
+  check_finite("pool_attention_ref", q=q_BHD, k=(k_BKTD, valid_BKT), v=(v_BKTD, valid_BKT),
+               mu=mu_BKD)
   num_kv = k_BKTD.shape[1]
   kc_BKTD = k_BKTD.astype(jnp.float32) - mu_BKD.astype(jnp.float32)[:, :, None]
   if codes_BKTL is None:

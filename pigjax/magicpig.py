@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pigjax import attention, lsh, placement
-from pigjax.config import Config
+from pigjax.config import Config, validate_attention
 from pigjax.store import HostKVStore, store_attend, store_insert
 
 
@@ -51,16 +51,7 @@ class MagicPigBackend:
 
   def __init__(self, cfg: Config):
     a, m = cfg.attention, cfg.model
-    bad = [l for l in a.dense_layers if not 0 <= l < m.num_layers]
-    if bad:
-      raise ValueError(f"attention.dense_layers {bad} out of range for a {m.num_layers}-layer "
-                       "model.")
-    if a.sink < 0 or a.window < 0 or a.generated_buffer < 2:
-      raise ValueError(f"Need sink >= 0, window >= 0, generated_buffer >= 2; got sink={a.sink}, "
-                       f"window={a.window}, generated_buffer={a.generated_buffer}.")
-    if not 1 <= a.num_bits <= 16 or a.num_tables < 2:
-      raise ValueError(f"Need 1 <= num_bits <= 16 and num_tables >= 2; got num_bits={a.num_bits}, "
-                       f"num_tables={a.num_tables}.")
+    validate_attention(a, m.num_layers)
     placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
@@ -182,7 +173,12 @@ class MagicPigBackend:
       if layer not in self.store_index:
         k.append(dense.k[layer]), v.append(dense.v[layer]), mu.append(None), w.append(None)
         continue
-      k_BKSD, v_BKSD = dense.k[layer], dense.v[layer]
+      # One sparse layer at a time: the barrier makes this layer's keys (and so its hashing)
+      # wait for the previous layer's insert. Without it XLA schedules every layer's hashing
+      # before the first insert, and each layer's f32 projection [B, K, P, num_bits*num_tables]
+      # (55 MB for SmolLM2 at 3k tokens) is alive at once: 1.5 GB at the peak (issue 9).
+      k_BKSD, v_BKSD, out_len_B = jax.lax.optimization_barrier(
+          (dense.k[layer], dense.v[layer], out_len_B))
       gather = lambda x_BKSD, idx_BJ: jnp.take_along_axis(
           x_BKSD, jnp.maximum(idx_BJ, 0)[:, None, :, None], axis=2)
       pad = ((0, 0), (0, 0), (0, a.generated_buffer), (0, 0))

@@ -2,7 +2,9 @@
 
 The model computes projections, norms, RoPE and MLPs; attention over the cache is delegated per
 layer to an attention backend (`pigjax.attention`), so dense and MagicPIG decoding share one
-model. RoPE follows Hugging Face's rotate-half layout (GGUF weights are un-permuted on load), with
+model. With quantized weights attached (`attach_quantized`), decode steps (one token per row)
+run every matmul through the quantized-block FFI kernel (`pigjax.quant`); prefill chunks keep the
+dense weights. RoPE follows Hugging Face's rotate-half layout (GGUF weights are un-permuted on load), with
 Llama-3.1 "llama3" frequency scaling.
 
 Shape key:
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pigjax import quant
 from pigjax.config import ModelConfig
 
 
@@ -39,6 +42,15 @@ class RMSNorm(nnx.Module):
     return (x * self.scale_E[...].astype(jnp.float32)).astype(x_BTE.dtype)
 
 
+class QuantWeight(nnx.Variable):
+  """A weight in quantized blocks (a `pigjax.quant.QTensor`) for the decode step's matmuls."""
+
+
+def _quant(var: QuantWeight | None, x_BTE: jax.Array) -> quant.QTensor | None:
+  """The quantized weight to use for x: only in decode steps (one token per row)."""
+  return var.get_value() if var is not None and x_BTE.shape[1] == 1 else None
+
+
 class Block(nnx.Module):
   """One pre-norm decoder layer: attention (projections here, the rest in the backend) + SwiGLU."""
 
@@ -54,9 +66,43 @@ class Block(nnx.Module):
     self.gate_EF = _param((E, F), dtype, rngs, E**-0.5)
     self.up_EF = _param((E, F), dtype, rngs, E**-0.5)
     self.down_FE = _param((F, E), dtype, rngs, F**-0.5)
+    # Quantized copies for decode (`attach_quantized`): q, k, v rows stacked into one matmul, and
+    # gate, up likewise, so a step makes four kernel calls per layer.
+    self.qkv_q: QuantWeight | None = None
+    self.o_q: QuantWeight | None = None
+    self.gate_up_q: QuantWeight | None = None
+    self.down_q: QuantWeight | None = None
+
+  def qkv(self, h_BTE: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Q, K, V projections (before RoPE): [B, T, H, D], [B, T, K, D], [B, T, K, D]."""
+    w = _quant(self.qkv_q, h_BTE)
+    if w is None:
+      return (_project(h_BTE, self.q_EHD[...]), _project(h_BTE, self.k_EKD[...]),
+              _project(h_BTE, self.v_EKD[...]))
+    _, H, D = self.q_EHD.shape
+    K = self.k_EKD.shape[1]
+    qkv_BTN = quant.linear(h_BTE, w).astype(h_BTE.dtype)
+    q, k, v = jnp.split(qkv_BTN, [H * D, (H + K) * D], axis=-1)
+    B, T = h_BTE.shape[:2]
+    return q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
+
+  def out(self, out_BTHD: jax.Array, dtype) -> jax.Array:
+    """The output projection of the attention heads -> [B, T, E]."""
+    B, T, H, D = out_BTHD.shape
+    o_BTN = out_BTHD.astype(dtype).reshape(B, T, H * D)
+    w = _quant(self.o_q, o_BTN)
+    if w is not None:
+      return quant.linear(o_BTN, w).astype(dtype)
+    # Contract over heads x head_dim as one 2-D matmul: XLA would otherwise transpose the
+    # [H, D, E] weight on every call.
+    return jnp.einsum("btn,ne->bte", o_BTN, self.o_HDE[...].reshape(H * D, -1))
 
   def mlp(self, x_BTE: jax.Array) -> jax.Array:
     h = self.mlp_norm(x_BTE)
+    w = _quant(self.gate_up_q, h)
+    if w is not None:
+      gate_BTF, up_BTF = jnp.split(quant.linear(h, w).astype(h.dtype), 2, axis=-1)
+      return quant.linear(jax.nn.silu(gate_BTF) * up_BTF, self.down_q.get_value()).astype(h.dtype)
     gate_BTF = jnp.einsum("bte,ef->btf", h, self.gate_EF[...])
     up_BTF = jnp.einsum("bte,ef->btf", h, self.up_EF[...])
     return jnp.einsum("btf,fe->bte", jax.nn.silu(gate_BTF) * up_BTF, self.down_FE[...])
@@ -73,10 +119,14 @@ class Llama(nnx.Module):
     self.lm_head_EV = (None if cfg.tie_embeddings else
                        _param((cfg.hidden_size, cfg.vocab_size), dtype, rngs,
                               cfg.hidden_size**-0.5))
+    self.lm_head_q: QuantWeight | None = None  # [V, E] rows (the embedding when tied)
 
   def logits(self, x_BTE: jax.Array) -> jax.Array:
     """Final norm + LM head; float32 logits."""
     h = self.final_norm(x_BTE)
+    w = _quant(self.lm_head_q, h)
+    if w is not None:
+      return quant.linear(h, w)
     if self.lm_head_EV is None:
       return jnp.einsum("bte,ve->btv", h, self.embed_VE[...], preferred_element_type=jnp.float32)
     return jnp.einsum("bte,ev->btv", h, self.lm_head_EV[...], preferred_element_type=jnp.float32)
@@ -98,16 +148,11 @@ class Llama(nnx.Module):
     x_BTE = jnp.take(self.embed_VE[...], tokens_BT, axis=0)
     sin_BTD, cos_BTD = rope_tables(positions_BT, cfg)
     for layer, blk in enumerate(self.layers):
-      h = blk.attn_norm(x_BTE)
-      q_BTHD = apply_rope(_project(h, blk.q_EHD[...]), sin_BTD, cos_BTD)
-      k_BTKD = apply_rope(_project(h, blk.k_EKD[...]), sin_BTD, cos_BTD)
-      v_BTKD = _project(h, blk.v_EKD[...])
+      q_BTHD, k_BTKD, v_BTKD = blk.qkv(blk.attn_norm(x_BTE))
+      q_BTHD = apply_rope(q_BTHD, sin_BTD, cos_BTD)
+      k_BTKD = apply_rope(k_BTKD, sin_BTD, cos_BTD)
       out_BTHD, cache = attend(layer, q_BTHD, k_BTKD, v_BTKD, cache)
-      B, T, H, D = out_BTHD.shape
-      # Contract over heads x head_dim as one 2-D matmul: XLA would otherwise transpose the
-      # [H, D, E] weight on every call.
-      x_BTE = x_BTE + jnp.einsum("btn,ne->bte", out_BTHD.astype(x_BTE.dtype).reshape(B, T, H * D),
-                                 blk.o_HDE[...].reshape(H * D, -1))
+      x_BTE = x_BTE + blk.out(out_BTHD, x_BTE.dtype)
       x_BTE = x_BTE + blk.mlp(x_BTE)
     return x_BTE, cache
 
@@ -187,3 +232,54 @@ def from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.
     put(blk.up_EF, get(p + "mlp.up_proj.weight", (F, E)).T)
     put(blk.down_FE, get(p + "mlp.down_proj.weight", (E, F)).T)
   return model
+
+
+# Weight formats a config may ask for (`Config.weights`); see `attach_quantized`.
+WEIGHT_FORMATS = ("auto", "dense", "gguf", *quant.FORMATS)
+
+
+def attach_quantized(model: Llama, tensors: dict[str, np.ndarray], fmt: str,
+                     blocks: dict[str, tuple[np.ndarray, Any]] | None = None,
+                     act_bits: int = 16) -> int:
+  """Gives every decode matmul of `model` a quantized weight; returns the bytes they take.
+
+  Args:
+    model: the model (its dense weights stay, for prefill).
+    tensors: Hugging Face-named float weights ([out, in]), as `from_hf_tensors` takes.
+    fmt: "q8_0" | "q4_0" | "q4_1" to quantize every weight to that format, or "gguf" to use
+      `blocks` (a GGUF's own tensors, `weights.gguf_blocks`) where the kernel reads their format,
+      and Q8_0 for any other tensor.
+    blocks: {HF name: (uint8 [out, bytes per row], gguf type)} for fmt "gguf".
+    act_bits: activation precision of the kernel (`pigjax.quant.QTensor.act_bits`).
+  """
+  if fmt not in quant.FORMATS and fmt != "gguf":
+    raise ValueError(f"Quantized weight format must be one of {sorted(quant.FORMATS)} or 'gguf', "
+                     f"got {fmt!r}.")
+  blocks = blocks or {}
+
+  def group(names: list[str]) -> quant.QTensor:
+    """The weights of `names` stacked along their rows, in one format."""
+    if fmt == "gguf":
+      found = [quant.from_gguf_blocks(*blocks[n], tensors[n].shape[1], act_bits)
+               if n in blocks else None for n in names]
+      if all(t is not None for t in found) and len({t.fmt for t in found}) == 1:
+        return quant.concat_rows(found)
+    target = "q8_0" if fmt == "gguf" else fmt  # GGUF formats the kernel cannot read, or mixed
+    return quant.quantize(np.concatenate([tensors[n] for n in names], 0), target, act_bits)
+
+  total = 0
+  for i, blk in enumerate(model.layers):
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    for attr, names in (("qkv_q", [attn + "q_proj.weight", attn + "k_proj.weight",
+                                    attn + "v_proj.weight"]),
+                        ("o_q", [attn + "o_proj.weight"]),
+                        ("gate_up_q", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+                        ("down_q", [mlp + "down_proj.weight"])):
+      w = group(names)
+      total += w.nbytes
+      setattr(blk, attr, nnx.data(QuantWeight(w)))
+  head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+  w = group([head])
+  model.lm_head_q = nnx.data(QuantWeight(w))
+  return total + w.nbytes

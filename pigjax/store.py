@@ -25,12 +25,26 @@ import numpy as np
 
 from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
 from pigjax import _pigjax_ffi
+from pigjax.config import STORE_DTYPES
 
-_DTYPES = ("bfloat16", "float32")
+_INT32_MAX = 2**31 - 1
 _FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # Open stores by handle, so the wrappers can check static shapes against a known store early.
 _OPEN: weakref.WeakValueDictionary[int, HostKVStore] = weakref.WeakValueDictionary()
+
+
+def _check_geometry(geometry: dict, threads) -> None:
+  """Python ints that fit the C++ int fields; the store's own checks then name any bad value."""
+  for name, value in [*geometry.items(), ("threads", threads)]:
+    if name == "dtype":
+      if value not in STORE_DTYPES:
+        raise ValueError(f"HostKVStore dtype must be one of {STORE_DTYPES}, got {value!r}.")
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f"HostKVStore {name} must be an int, got {value!r}.")
+    if not -_INT32_MAX <= value <= _INT32_MAX:
+      raise ValueError(f"HostKVStore {name}={value} is outside the int32 range the store takes.")
 
 
 def available_bytes() -> int | None:
@@ -56,22 +70,23 @@ class HostKVStore:
     num_bits, num_tables: K bits per table and L tables of the SimHash codes.
     capacity: most pool tokens per (layer, slot).
     dtype: K/V storage, "bfloat16" (default) or "float32". Norms, means and math are float32.
-    threads: size of the store's own thread pool; 0 = all hardware threads.
+    threads: size of the store's own thread pool, at most 256; 0 = all hardware threads.
     verbose: print the worst-case memory estimate.
 
   Raises:
-    ValueError: a bad setting. MemoryError: the worst case would not fit in available RAM.
+    ValueError: a bad setting (including a geometry whose size would exceed 2^50 bytes).
+    MemoryError: the worst case would not fit in available RAM. RuntimeError: the worker threads
+    could not be started.
   """
 
   def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                num_bits: int, num_tables: int, capacity: int, dtype: str = "bfloat16",
                threads: int = 0, verbose: bool = True):
     self.handle = -1
-    if dtype not in _DTYPES:
-      raise ValueError(f"HostKVStore dtype must be one of {_DTYPES}, got {dtype!r}.")
     geometry = dict(num_layers=num_layers, num_slots=num_slots, num_kv_heads=num_kv_heads,
                     head_dim=head_dim, num_bits=num_bits, num_tables=num_tables,
                     capacity=capacity, dtype=dtype)
+    _check_geometry(geometry, threads)
     est = _pigjax_ffi.store_estimate_bytes(*geometry.values(), threads)
     if verbose:
       print(f"pigjax: host KV store up to {est / 2**30:.2f} GiB ({num_layers} layers x "
@@ -95,11 +110,16 @@ class HostKVStore:
   def estimate_bytes(*, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                      num_bits: int, num_tables: int, capacity: int, dtype: str = "bfloat16",
                      threads: int = 0) -> int:
-    """Worst-case bytes (every pool full, plus per-thread scratch)."""
-    if dtype not in _DTYPES:
-      raise ValueError(f"HostKVStore dtype must be one of {_DTYPES}, got {dtype!r}.")
-    return int(_pigjax_ffi.store_estimate_bytes(num_layers, num_slots, num_kv_heads, head_dim,
-                                                num_bits, num_tables, capacity, dtype, threads))
+    """Worst-case bytes (every pool full, plus per-thread scratch).
+
+    Raises ValueError for a geometry the store rejects, including one whose size would exceed
+    2^50 bytes (or overflow 64 bits).
+    """
+    geometry = dict(num_layers=num_layers, num_slots=num_slots, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, num_bits=num_bits, num_tables=num_tables,
+                    capacity=capacity, dtype=dtype)
+    _check_geometry(geometry, threads)
+    return int(_pigjax_ffi.store_estimate_bytes(*geometry.values(), threads))
 
   def _live(self) -> int:
     if self.handle < 0:

@@ -267,6 +267,29 @@ def load_gguf(path, dtype: str = "float32", progress: bool = True
   return cfg, tensors
 
 
+def gguf_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[np.ndarray, object]]:
+  """The raw block bytes of a GGUF's 2-D weight tensors, for kernels that read them as stored.
+
+  Returns {HF name: (uint8 [out, bytes per row], gguf.GGMLQuantizationType)}, with Q and K rows
+  un-permuted like `load_gguf` does (a row permutation moves whole rows of blocks, so it applies
+  to the bytes unchanged). Float tensors are left out.
+  """
+  out = {}
+  for t in reader.tensors:
+    name = _hf_name(t.name)
+    if name is None or len(t.shape) != 2 or t.tensor_type in (
+        gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+        gguf.GGMLQuantizationType.BF16):
+      continue
+    raw = np.asarray(t.data, np.uint8).reshape(int(t.shape[1]), -1)  # [out, bytes per row]
+    if name.endswith("q_proj.weight"):
+      raw = unpermute_qk(raw, cfg.num_heads)
+    elif name.endswith("k_proj.weight"):
+      raw = unpermute_qk(raw, cfg.num_kv_heads)
+    out[name] = (raw, t.tensor_type)
+  return out
+
+
 # ------------------------------------------------------------------------------ Hugging Face
 
 

@@ -39,7 +39,9 @@ def gpl():
 
 @pytest.fixture(scope="module")
 def pipe():
-  return Pipeline.load(Config(checkpoint="smollm2"), progress=False)
+  # The float32 path (the quantized decode path is tested against the same reference in
+  # tests/test_quant.py).
+  return Pipeline.load(Config(checkpoint="smollm2", weights="dense"), progress=False)
 
 
 def all_logits(pipe, ids):

@@ -16,6 +16,7 @@
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/quant_ffi.h"
 #include "xla_ffi/store.h"
 
 namespace nb = nanobind;
@@ -289,8 +290,10 @@ NB_MODULE(_pigjax_ffi, m) {
     d["pigjax_scale"] = EncapsulateFfiHandler(Scale);
     d["pigjax_insert"] = EncapsulateFfiHandler(StoreInsert);
     d["pigjax_attend"] = EncapsulateFfiHandler(StoreAttend);
+    pigjax::AddQuantRegistrations(d);
     return d;
   });
+  pigjax::DefineQuantFunctions(m);
   m.def("store_estimate_bytes",
         [](int num_layers, int num_slots, int num_kv_heads, int head_dim, int num_bits,
            int num_tables, int64_t capacity, const std::string& dtype, int threads) {

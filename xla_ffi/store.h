@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,10 +59,31 @@ struct StoreConfig {
   int threads = 0;       // 0 = std::thread::hardware_concurrency()
 };
 
+// Most worker threads a store may have. More than this buys nothing on any current host (the
+// kernels are memory-bound) and only risks running out of address space for thread stacks.
+constexpr int kMaxThreads = 256;
+// Largest worst-case store size accepted (1 PiB): far above any machine, far below 2^64, so a
+// geometry whose size product would wrap around is rejected instead of allocating too little.
+constexpr uint64_t kMaxStoreBytes = uint64_t{1} << 50;
+
 inline int ResolveThreads(int threads) {
   if (threads > 0) return threads;
-  return std::max(1u, std::thread::hardware_concurrency());
+  return std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxThreads);
 }
+
+// Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
+// Cannot overflow: capacity < 2^31, head_dim < 2^31, num_bits <= 24.
+inline uint64_t ScratchBytes(const StoreConfig& c) {
+  return uint64_t(c.capacity) * 5 + uint64_t(kAttentionScratch + c.head_dim) * 4 +
+         ((uint64_t{1} << c.num_bits) + 1) * 4;
+}
+
+struct HeadPool;
+
+// Worst case (every (layer, slot) pool full, plus per-thread scratch and the pool directory) into
+// *out; false if the product does not fit in 64 bits. Every factor is checked: a geometry such as
+// 2^21 layers x 2^21 slots x 2^22 heads wraps to 0 in unchecked arithmetic.
+inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out);
 
 // Empty string if the configuration is usable, else a sentence saying what is wrong.
 inline std::string CheckConfig(const StoreConfig& c) {
@@ -80,26 +102,26 @@ inline std::string CheckConfig(const StoreConfig& c) {
   if (c.capacity < 1 || c.capacity > int64_t{0x7fffffff}) {
     return Str("capacity must be in [1, 2^31 - 1] tokens, got ", c.capacity, ".");
   }
-  if (c.threads < 0) return Str("threads must be >= 0 (0 = all hardware threads), got ", c.threads);
+  if (c.threads < 0 || c.threads > kMaxThreads) {
+    return Str("threads must be in [0, ", kMaxThreads, "] (0 = all hardware threads, here ",
+               ResolveThreads(0), "), got ", c.threads, ".");
+  }
+  uint64_t bytes = 0;
+  if (!CheckedEstimateBytes(c, &bytes) || bytes > kMaxStoreBytes) {
+    return Str("the store geometry (", c.num_layers, " layers x ", c.num_slots, " slots x ",
+               c.num_kv_heads, " kv heads x ", c.capacity, " tokens x head_dim ", c.head_dim,
+               ", ", c.num_tables, " tables) needs ",
+               bytes > kMaxStoreBytes ? Str(bytes, " bytes") : std::string("more than 2^64 bytes"),
+               ", above the limit of 2^50 bytes (1 PiB); lower one of these.");
+  }
   return "";
 }
 
-// Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
-inline uint64_t ScratchBytes(const StoreConfig& c) {
-  return uint64_t(c.capacity) * 5 + uint64_t(kAttentionScratch + c.head_dim) * 4 +
-         ((uint64_t{1} << c.num_bits) + 1) * 4;
-}
-
-// Worst case: every (layer, slot) pool full.
+// Worst-case bytes of a configuration that passed CheckConfig.
 inline uint64_t EstimateBytes(const StoreConfig& c) {
-  const uint64_t cap = c.capacity, d = c.head_dim, tables = c.num_tables;
-  const uint64_t buckets = (uint64_t{1} << c.num_bits) + 1;
-  const uint64_t per_head = 2 * cap * d * DTypeSize(c.dtype)  // K, V
-                            + cap * 4                         // |k~| (f32)
-                            + d * 4                           // mu (f32)
-                            + tables * (buckets * 4 + cap * 4);  // CSR offsets and ids
-  return per_head * c.num_layers * c.num_slots * c.num_kv_heads +
-         ScratchBytes(c) * ResolveThreads(c.threads);
+  uint64_t bytes = 0;
+  CheckedEstimateBytes(c, &bytes);
+  return bytes;
 }
 
 // One (layer, slot, kv head) pool. Buffers grow geometrically up to the capacity.
@@ -119,6 +141,31 @@ struct HeadPool {
   }
   void Clear() { *this = HeadPool(); }
 };
+
+inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out) {
+  bool ok = true;  // false once any step overflows; later steps then keep it false
+  auto mul = [&ok](uint64_t x, uint64_t y) {
+    uint64_t r = 0;
+    ok = ok && !__builtin_mul_overflow(x, y, &r);
+    return r;
+  };
+  auto add = [&ok](uint64_t x, uint64_t y) {
+    uint64_t r = 0;
+    ok = ok && !__builtin_add_overflow(x, y, &r);
+    return r;
+  };
+  const uint64_t cap = c.capacity, d = c.head_dim, tables = c.num_tables;
+  const uint64_t buckets = (uint64_t{1} << c.num_bits) + 1;
+  // Per (layer, slot, kv head): K and V; |k~| (f32); mu (f32); per table CSR offsets and ids.
+  const uint64_t per_head = add(add(mul(mul(2 * cap, d), DTypeSize(c.dtype)), cap * 4 + d * 4),
+                                mul(tables, buckets * 4 + cap * 4));
+  const uint64_t pools = mul(mul(uint64_t(c.num_layers), uint64_t(c.num_slots)),
+                             uint64_t(c.num_kv_heads));
+  const uint64_t total = add(add(mul(per_head, pools), mul(pools, sizeof(HeadPool))),
+                             mul(ScratchBytes(c), uint64_t(ResolveThreads(c.threads))));
+  *out = ok ? total : 0;
+  return ok;
+}
 
 template <typename V>
 void GrowTo(V& vec, size_t need, size_t limit) {
@@ -189,8 +236,10 @@ constexpr int64_t kPieceCandidates = 512;
 
 class Store {
  public:
+  // Throws std::invalid_argument for a configuration CheckConfig rejects, std::runtime_error if
+  // the worker threads cannot be started.
   explicit Store(const StoreConfig& c)
-      : cfg_(c),
+      : cfg_(Checked(c)),
         ops_(GetVecOps()),
         log_u_(c.num_bits, c.num_tables),
         workers_(ResolveThreads(c.threads)),
@@ -260,6 +309,11 @@ class Store {
   }
 
  private:
+  static const StoreConfig& Checked(const StoreConfig& c) {
+    if (auto e = CheckConfig(c); !e.empty()) throw std::invalid_argument(e);
+    return c;
+  }
+
   struct Scratch {
     CollisionCounter counter;
     std::vector<int32_t> cand;
@@ -374,6 +428,52 @@ inline void Store::AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, in
   for (int64_t j = 0; j < len; ++j) ids[cnt[codes[j * nt]]++] = static_cast<int32_t>(n0 + j);
 }
 
+// Non-finite inputs: insert and attend reject a NaN or +-Inf in k, v, mu or q with an error that
+// names the operand and the first bad index, before anything is changed. A NaN key would make
+// its norm, its collision probability and every score that uses it NaN; silently dropping it (or
+// returning o = 0 for a NaN query) would hide a broken model. Checking costs one read of the
+// operand: nothing beside the K/V copy of an insert, and D floats per query head in an attend.
+
+// Index of the first NaN or +-Inf in x[0, n) of dtype t, or -1. Tests the exponent bits.
+inline int64_t FirstNonFinite(const void* x, DType t, int64_t n) {
+  const char* p = static_cast<const char*>(x);
+  if (t == DType::kF32) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, p + 4 * i, 4);
+      if ((u & 0x7f800000u) == 0x7f800000u) return i;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t u;
+      std::memcpy(&u, p + 2 * i, 2);
+      if ((u & 0x7f80u) == 0x7f80u) return i;
+    }
+  }
+  return -1;
+}
+
+inline float ElementAsF32(const void* x, DType t, int64_t i) {
+  return t == DType::kF32 ? static_cast<const float*>(x)[i]
+                          : ToF32(static_cast<const bf16*>(x)[i]);
+}
+
+// "fn: name[i0, i1, ...] = nan is not finite; ..." for flat index i of an array of shape dims.
+template <size_t N>
+std::string NonFiniteError(const char* fn, const char* name, const std::array<int64_t, N>& dims,
+                           int64_t flat, float value) {
+  std::array<int64_t, N> idx{};
+  for (size_t k = N; k-- > 0;) {
+    idx[k] = flat % dims[k];
+    flat /= dims[k];
+  }
+  std::ostringstream os;
+  os << fn << ": " << name << ShapeStr(idx) << " = " << value
+     << " is not finite; the store accepts only finite keys, values, means and queries (a NaN or "
+        "Inf here usually means the model's activations overflowed).";
+  return os.str();
+}
+
 inline std::string Store::Insert(const InsertArgs& a) {
   const StoreConfig& c = cfg_;
   if (auto e = CheckLayer(a.layer); !e.empty()) return "store_insert: " + e;
@@ -429,6 +529,22 @@ inline std::string Store::Insert(const InsertArgs& a) {
                      j / c.num_tables, ", table ", j % c.num_tables, ") is outside [0, 2^",
                      c.num_bits, ").");
         }
+      }
+      // Only the first len tokens are read; the rest of the row may hold anything.
+      const int64_t row0 = (b * c.num_kv_heads + h) * tt * c.head_dim;
+      for (int which = 0; which < 2; ++which) {
+        const void* x = which == 0 ? a.k : a.v;
+        const DType t = which == 0 ? a.k_dtype : a.v_dtype;
+        const char* at = static_cast<const char*>(x) + row0 * DTypeSize(t);
+        if (const int64_t bad = FirstNonFinite(at, t, len * c.head_dim); bad >= 0) {
+          return NonFiniteError("store_insert", which == 0 ? "k" : "v", a.k_shape, row0 + bad,
+                                ElementAsF32(x, t, row0 + bad));
+        }
+      }
+      const int64_t mu0 = (b * c.num_kv_heads + h) * c.head_dim;
+      const int64_t bad_mu = len > 0 ? FirstNonFinite(a.mu + mu0, DType::kF32, c.head_dim) : -1;
+      if (bad_mu >= 0) {
+        return NonFiniteError("store_insert", "mu", a.mu_shape, mu0 + bad_mu, a.mu[mu0 + bad_mu]);
       }
     }
   }
@@ -497,6 +613,9 @@ inline std::string Store::Attend(const AttendArgs& a) {
                  ", head ", (i / c.num_tables) % hq, ", table ", i % c.num_tables,
                  ") is outside [0, 2^", c.num_bits, ").");
     }
+  }
+  if (const int64_t bad = FirstNonFinite(a.q, a.q_dtype, bsz * hq * d); bad >= 0) {
+    return NonFiniteError("store_attend", "q", a.q_shape, bad, ElementAsF32(a.q, a.q_dtype, bad));
   }
   std::lock_guard<std::mutex> lock(mu_);
   const bool prof = profiling_;

@@ -12,6 +12,8 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -22,17 +24,22 @@ class ThreadPool {
   using Task = std::function<void(int64_t index, int worker)>;
 
   // `num_threads` workers in all, the calling thread included (so num_threads - 1 are spawned).
+  // Exception-safe: if starting worker w fails (no memory or address space for its stack, a
+  // thread limit), the workers already started are stopped and joined and std::runtime_error is
+  // thrown. Unwinding a vector of joinable std::threads would call std::terminate instead.
   explicit ThreadPool(int num_threads) {
-    for (int w = 1; w < num_threads; ++w) threads_.emplace_back([this, w] { WorkerLoop(w); });
-  }
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+    int w = 1;
+    try {
+      threads_.reserve(num_threads > 1 ? num_threads - 1 : 0);
+      for (; w < num_threads; ++w) threads_.emplace_back([this, w] { WorkerLoop(w); });
+    } catch (const std::exception& e) {
+      StopAndJoin();
+      throw std::runtime_error("could not start worker thread " + std::to_string(w) + " of " +
+                               std::to_string(num_threads) + " (" + e.what() +
+                               "); use fewer threads.");
     }
-    start_cv_.notify_all();
-    for (auto& t : threads_) t.join();
   }
+  ~ThreadPool() { StopAndJoin(); }
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
@@ -69,6 +76,15 @@ class ThreadPool {
   }
 
  private:
+  void StopAndJoin() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    start_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
   void RunTasks(int worker) {
     for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
       try {
