@@ -21,6 +21,12 @@ MODEL = "tiny"
 SLOTS = 4
 
 
+def _user_env() -> dict:
+  """The environment without JAX_PLATFORMS, as users start the server: jax probes its backends
+  (and on a GPU machine defaults to the GPU, so MagicPIG must move itself to the CPU)."""
+  return {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -37,8 +43,7 @@ class Server:
          f"--config.checkpoint={ckpt}", f"--config.attention.kind={kind}",
          f"--config.serve.slots={SLOTS}", f"--config.serve.model_name={MODEL}",
          "--compilation_cache=", f"--port={self.port}"],
-        cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-        env=os.environ | {"JAX_PLATFORMS": "cpu"})
+        cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_user_env())
 
   def wait_ready(self, timeout=600):
     deadline = time.monotonic() + timeout
@@ -91,6 +96,26 @@ def stream_text(client, prompt, max_tokens=24, **kw):
   return "".join(c.choices[0].text for c in stream if c.choices)
 
 
+def test_startup_says_where_it_listens_and_nothing_else(servers):
+  for server in servers.values():
+    log = server.log.read_text()
+    assert f"on http://127.0.0.1:{server.port}/v1" in log
+    # absl would print jax's backend probing ("Unable to initialize backend 'tpu'") at INFO.
+    assert "Unable to initialize backend" not in log and "xla_bridge" not in log, log
+
+
+def test_serve_reports_user_errors_in_one_line(tmp_path):
+  for args, named in [(["--config.checkpoint=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+                      (["--config.attention.sink=-1"], "attention.sink"),
+                      (["--config.serve.no_such_key=1"], "no_such_key")]:
+    out = subprocess.run([sys.executable, "-m", "pigjax.serve", "--config=configs/tiny.py",
+                          "--config.checkpoint=x", *args], cwd=REPO, capture_output=True,
+                         text=True, env=_user_env(), timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-1].startswith("pigjax: error: "), out.stderr
+    assert named in lines[-1] and "Traceback" not in out.stderr, out.stderr
+
+
 def test_chat_and_completions_stream_and_not(servers):
   client = servers["dense"].client()
   assert [m.id for m in client.models.list().data] == [MODEL]
@@ -122,6 +147,16 @@ def test_chat_and_completions_stream_and_not(servers):
   assert lines[-1] == "data: [DONE]"
   events = [json.loads(l[len("data: "):]) for l in lines[:-1]]
   assert all("usage" not in e for e in events) and events[-1]["choices"][0]["finish_reason"]
+
+  # A stop string ends the request with finish_reason "stop"; the text before it is returned.
+  text = comp.choices[0].text
+  stop = text[4:7]
+  assert len(text) >= 7 and stop.strip(), text
+  stopped = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                      temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+  assert stopped.choices[0].finish_reason == "stop"
+  assert stopped.choices[0].text == text[:text.index(stop)]
 
 
 @pytest.mark.parametrize("kind", ["dense", "magicpig"])
