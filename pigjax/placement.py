@@ -23,12 +23,13 @@ def host_store_platform(attention_kind: str, default_platform: str,
     default_platform: `jax.default_backend()`, e.g. "cpu", "gpu", "tpu".
     platforms: the platforms of every available device.
   Raises:
-    RuntimeError: MagicPIG asked for where no CPU device exists.
+    ValueError: MagicPIG asked for where no CPU device exists (a setting the user can change,
+      so the CLI and server report it as one line).
   """
   if attention_kind != "magicpig" or default_platform == "cpu":
     return None
   if "cpu" not in platforms:
-    raise RuntimeError("MagicPIG attention needs a CPU device for its host KV store; start jax "
+    raise ValueError("MagicPIG attention needs a CPU device for its host KV store; start jax "
                        "with the CPU platform enabled (JAX_PLATFORMS unset, or including 'cpu').")
   return "cpu"
 

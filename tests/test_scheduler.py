@@ -171,5 +171,20 @@ def test_host_store_platform_decision():
   assert placement.host_store_platform("magicpig", "tpu", ["cpu", "tpu"]) == "cpu"
   assert placement.host_store_platform("magicpig", "cpu", ["cpu"]) is None
   assert placement.host_store_platform("dense", "gpu", ["cpu", "gpu"]) is None
-  with pytest.raises(RuntimeError, match="CPU device"):
+  with pytest.raises(ValueError, match="CPU device"):
     placement.host_store_platform("magicpig", "gpu", ["gpu"])
+
+
+def test_place_for_moves_magicpig_to_the_cpu_when_jax_defaults_elsewhere(monkeypatch, capsys):
+  """As on a Colab GPU runtime: jax's default backend is not the CPU, so MagicPIG makes the CPU
+  jax's default device (its host-store FFI handlers are CPU-only); dense changes nothing."""
+  assert jax.config.jax_default_device is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  try:
+    placement.place_for("dense")
+    assert jax.config.jax_default_device is None
+    placement.place_for("magicpig")
+    assert jax.config.jax_default_device == jax.devices("cpu")[0]
+    assert "runs on the CPU" in capsys.readouterr().err
+  finally:
+    jax.config.update("jax_default_device", None)
