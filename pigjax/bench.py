@@ -309,7 +309,8 @@ def synthetic_kv(key, batch: int, num_kv_heads: int, n: int, head_dim: int, capa
 
 def attention_only_steps(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          n: int, batch: int, num_bits: int, num_tables: int, sink: int = 4,
-                         window: int = 64, threads: int = 0, seed: int = 0):
+                         window: int = 64, threads: int = 0, seed: int = 0,
+                         store_dtype: str = "bfloat16"):
   """Jitted attention-only decode steps over `num_layers` layers of synthetic keys: dense
   (attend over an f32 cache of n tokens) and MagicPIG (exact sink + window part in JAX, the pool
   in a host store, log-sum-exp merge). Returns ({"dense": fn, "magicpig": fn}, store, info)."""
@@ -319,7 +320,7 @@ def attention_only_steps(num_layers: int, num_heads: int, num_kv_heads: int, hea
             for l in range(num_layers)]
   store = HostKVStore(num_layers=num_layers, num_slots=batch, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, num_bits=num_bits, num_tables=num_tables, capacity=n,
-                      threads=threads, verbose=False)
+                      dtype=store_dtype, threads=threads, verbose=False)
   slots = jnp.arange(batch, dtype=jnp.int32)
   exact_idx = np.concatenate([np.arange(sink), n - window + np.arange(window)])
   ws, mus, exact = [], [], []

@@ -15,9 +15,9 @@ from typing import Any
 import ml_collections
 
 # The one list of each set of choices: validation everywhere reads these, so adding a choice
-# (say an "int8" store dtype) is a one-line change here plus its implementation.
+# (as the "int8" store dtype was) is a one-line change here plus its implementation.
 ATTENTION_KINDS = ("dense", "magicpig")
-STORE_DTYPES = ("bfloat16", "float32")  # host K/V storage of the MagicPIG pool
+STORE_DTYPES = ("bfloat16", "float32", "int8")  # host K/V storage of the MagicPIG pool
 MAX_THREADS = 256  # the host store's limit on attention.threads (kMaxThreads in xla_ffi/store.h)
 MAX_NUM_BITS = 16  # codes of more bits make tables of 2^num_bits buckets per (layer, head)
 

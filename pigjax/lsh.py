@@ -210,6 +210,37 @@ def candidate_mask(q_BHD: jax.Array, codes_BKTL: jax.Array, valid_BKT: jax.Array
   return cand_BKGT.reshape(b, k * g, t)
 
 
+def quantize_int8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The host store's int8 K/V format (xla_ffi/store.h CopyTokens): per row (last axis) a float32
+  scale max|x| x float32(1/127) (1 for an all-zero row) and round(x x (1 / scale)), ties to even,
+  in [-127, 127].
+
+  Returns (x8 int8 [..., D], scale f32 [...]).
+  """
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  # amax times the float32 1/127, not amax / 127: XLA rewrites a division by a constant into that
+  # product, and the C++ side must round the same way.
+  scale = jnp.where(amax > 0, amax * jnp.float32(1 / 127), jnp.float32(1))
+  # x times 1/scale rather than x / scale, for the same reason (XLA:CPU divides that way).
+  inv = jnp.float32(1) / scale
+  x8 = jnp.clip(jnp.round(x * inv[..., None]), -127, 127).astype(jnp.int8)
+  return x8, scale
+
+
+def stored_values(x: jax.Array, store_dtype: str) -> jax.Array:
+  """What the host store holds for K or V rows x stored as `store_dtype`, as float32: the
+  kernel's twin reads these (codes and the mean still come from the unrounded keys)."""
+  if store_dtype == "int8":
+    x8, scale = quantize_int8_rows(x)
+    return x8.astype(jnp.float32) * scale[..., None]
+  if store_dtype == "bfloat16":
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+  if store_dtype == "float32":
+    return x.astype(jnp.float32)
+  raise ValueError(f"store_dtype must be 'bfloat16', 'float32' or 'int8', got {store_dtype!r}.")
+
+
 def check_finite(fn: str, **operands) -> None:
   """Non-finite policy, shared with the host store (xla_ffi/store.h): a NaN or +-Inf in a query,
   key, value or mean is an error that names the operand and its first bad index.

@@ -69,7 +69,9 @@ class HostKVStore:
     num_kv_heads, head_dim: attention geometry.
     num_bits, num_tables: K bits per table and L tables of the SimHash codes.
     capacity: most pool tokens per (layer, slot).
-    dtype: K/V storage, "bfloat16" (default) or "float32". Norms, means and math are float32.
+    dtype: K/V storage, one of config.STORE_DTYPES: "bfloat16" (default), "float32" or "int8"
+      (one float32 scale per K row and per V row, `lsh.quantize_int8_rows`). Norms, means and
+      math are float32.
     threads: size of the store's own thread pool, at most 256; 0 = all hardware threads.
     verbose: print the worst-case memory estimate.
 
@@ -98,7 +100,7 @@ class HostKVStore:
           f"The host KV store could need {est / 2**30:.2f} GiB (capacity {capacity} tokens x "
           f"{num_slots} slots x {num_layers} sparse layers) but only {avail / 2**30:.2f} GiB of "
           f"RAM is available; lower the capacity (max_seq_len), the batch size or num_tables, or "
-          f"store K/V as bfloat16.")
+          f"store K/V as bfloat16 or int8.")
     self.handle = int(_pigjax_ffi.store_create(*geometry.values(), threads))
     for name, value in geometry.items():
       setattr(self, name, value)

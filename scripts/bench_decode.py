@@ -16,7 +16,7 @@ import numpy as np
 
 from absl import app, flags
 
-from pigjax import bench, store, weights
+from pigjax import bench, bench_contexts, store, weights
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
@@ -24,10 +24,20 @@ from pigjax.pipeline import Pipeline
 from pigjax.store import HostKVStore
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("contexts", ["4096", "16384", "32768", "65536", "131072"], "Context lengths.")
+flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "Context lengths.")
 flags.DEFINE_list("batches", ["1"], "Batch sizes, each at every context where memory allows "
                   "(rows are copies of the one tiled context).")
-flags.DEFINE_integer("source_tokens", 2048, "Real prefill length the long caches are tiled from.")
+flags.DEFINE_enum("context_source", "documents", ["documents", "tiled"],
+                  "documents: long caches stitched from pieces of many different real documents "
+                  "(pigjax/bench_contexts.py; run scripts/fetch_data.py first); tiled: the old "
+                  "method, one GPL-3 prefill of --source_tokens repeated.")
+flags.DEFINE_integer("source_tokens", 2048, "Tokens per piece (documents) or of the tiled source, "
+                     "and of the real prefill timed for the prefill overhead.")
+flags.DEFINE_string("piece_cache", str(bench_contexts.DEFAULT_CACHE_DIR),
+                    "Where prefilled document pieces are cached (git-ignored data/).")
+flags.DEFINE_string("store_dtype", "bfloat16", "MagicPIG host K/V: bfloat16, float32 or int8.")
+flags.DEFINE_string("weights", "", "Config.weights for both methods (dense | auto | gguf | q8_0 | "
+                    "q4_0 | q4_1); '' keeps the default.")
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds per context.")
 flags.DEFINE_integer("steps", 3, "Decode steps per method per round.")
 flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
@@ -50,8 +60,8 @@ def log(*a):
 def smollm2(res):
   contexts = [int(c) for c in FLAGS.contexts]
   att = AttentionConfig(kind="magicpig", num_bits=FLAGS.num_bits, num_tables=FLAGS.num_tables,
-                        threads=FLAGS.threads)
-  cfg = Config(checkpoint="smollm2", max_seq_len=max(contexts) + 512, attention=att)
+                        threads=FLAGS.threads, store_dtype=FLAGS.store_dtype)
+  cfg = make_config(max(contexts) + 512, att)
   pipe = Pipeline.load(cfg, progress=False)
   cfg = pipe.cfg
   dense_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(att, kind="dense"))
@@ -62,7 +72,8 @@ def smollm2(res):
   backend.store = HostKVStore(num_layers=len(backend.sparse_layers), num_slots=max(batches),
                               num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                               num_bits=a.num_bits, num_tables=a.num_tables,
-                              capacity=max(contexts), threads=a.threads)
+                              capacity=max(contexts), dtype=a.store_dtype,
+                              threads=a.threads)
   pig_engine = Engine(cfg, pipe.model, backend)
 
   ids = bench.prompt_ids(pipe.tokenizer, FLAGS.source_tokens)
@@ -85,14 +96,27 @@ def smollm2(res):
                         dense_per_1k_tokens_s=prefill_s / len(ids) * 1024)
   log("prefill overhead", res["prefill"])
 
+  pieces = None
+  if FLAGS.context_source == "documents":
+    count = bench_contexts.pieces_needed(max(contexts), FLAGS.source_tokens, a.sink)
+    piece_ids = bench_contexts.document_pieces(pipe.tokenizer.encode, count, FLAGS.source_tokens)
+    pieces = [bench_contexts.piece_kv(dense_engine, p, FLAGS.piece_cache, log) for p in piece_ids]
+    log(f"{count} document pieces of {FLAGS.source_tokens} tokens ready")
   res["smollm2"] = []
   for n in contexts:
     for batch in batches:
-      _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engine, pipe)
+      _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, pig_engine,
+                   pipe)
   backend.store.close()
 
 
-def _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engine, pipe):
+def make_config(max_seq_len, att):
+  """The one Config both methods start from (--weights sets Config.weights for both)."""
+  extra = {"weights": FLAGS.weights} if FLAGS.weights else {}
+  return Config(checkpoint="smollm2", max_seq_len=max_seq_len, attention=att, **extra)
+
+
+def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, pig_engine, pipe):
   """Dense vs MagicPIG at context n and `batch` rows, interleaved; appends a row to res."""
   capacity = n + 256
   # Both caches live at once (they are timed interleaved). Where the f32 dense cache would not
@@ -103,7 +127,8 @@ def _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engin
     backend.store.reset(slot)
   store_need = HostKVStore.estimate_bytes(
       num_layers=len(backend.sparse_layers), num_slots=batch, num_kv_heads=m.num_kv_heads,
-      head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n)
+      head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n,
+      dtype=a.store_dtype)
   avail = store.available_bytes() or 1 << 50
   dtype = None
   for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
@@ -117,7 +142,12 @@ def _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engin
     log(res["smollm2"][-1])
     save(res)
     return
-  dense = bench.repeat_rows(bench.tile_cache(src, len(ids), n, capacity, m, dtype=dtype), batch)
+  if pieces is None:
+    one = bench.tile_cache(src, len(ids), n, capacity, m, dtype=dtype)
+  else:
+    one = bench_contexts.stitched_cache(pieces, n, capacity, m, a.sink, dtype)
+  dense = bench.repeat_rows(one, batch)
+  del one
   tm = {}
   pc = bench.magicpig_cache(backend, dense, n, tm)
   mem = backend.store.memory_bytes()
@@ -132,6 +162,7 @@ def _smollm2_row(res, n, batch, src, ids, m, a, backend, dense_engine, pig_engin
   bench.set_profiling(backend.store, False)
   steps = FLAGS.steps
   row = dict(context=n, batch=batch, dense_cache_dtype=jnp.dtype(dtype).name,
+             context_source=FLAGS.context_source, store_dtype=a.store_dtype,
              **bench.summarise(times, batch), hash_s=tm["hash_s"],
              insert_s=tm["insert_s"], store_bytes=mem,
              kernel_ms_per_step=prof["attend_ns"] * 1e-6 / steps,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tiny_checkpoint
-from pigjax import bench
+from pigjax import bench, bench_contexts
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
@@ -55,6 +55,56 @@ def test_tile_cache_rerotates_keys(tiny):
                              atol=1e-4)
   np.testing.assert_array_equal(tiled.v[2][:, :, p], src.v[2][:, :, s])
   assert float(jnp.abs(tiled.k[2][:, :, 200:]).max()) == 0.0
+
+
+def test_stitch_positions():
+  src, pos = bench_contexts.stitch_positions(10, 30, sink=4)
+  np.testing.assert_array_equal(src[:10], np.arange(10))  # the first piece whole
+  np.testing.assert_array_equal(pos[10:16], np.arange(4, 10))  # then pieces minus their sinks
+  np.testing.assert_array_equal(src[10:16], 10 + np.arange(4, 10))
+  np.testing.assert_array_equal(src[16:22], 20 + np.arange(4, 10))
+  assert bench_contexts.pieces_needed(30, 10, 4) == 5 and src.max() < 5 * 10
+  assert bench_contexts.pieces_needed(10, 10, 4) == 1 and bench_contexts.pieces_needed(11, 10, 4) == 2
+
+
+def test_document_pieces_prefer_different_documents(tmp_path):
+  for i, n in enumerate([30, 12, 25]):
+    (tmp_path / f"d{i}.txt").write_text(" ".join(f"w{i}_{j}" for j in range(n)))
+  encode = lambda text: [hash(w) % 1000 for w in text.split()]
+  pieces = bench_contexts.document_pieces(encode, 5, 10, tmp_path)
+  firsts = {tuple(encode(" ".join(f"w{i}_{j}" for j in range(10)))) for i in range(3)}
+  assert {tuple(p) for p in pieces[:3]} == firsts  # one piece from each document first
+  assert len(pieces) == 5 and all(len(p) == 10 for p in pieces)
+  with pytest.raises(ValueError, match="fetch_data"):
+    bench_contexts.document_pieces(encode, 7, 10, tmp_path)
+
+
+def test_stitched_cache_rerotates_and_caches_pieces(tiny, tmp_path):
+  m = tiny.cfg.model
+  dense_engine = Engine(dataclasses.replace(tiny.cfg, attention=AttentionConfig()), tiny.model)
+  rng = np.random.default_rng(3)
+  ids = [list(rng.integers(3, 250, 64)) for _ in range(3)]
+  pieces = [bench_contexts.piece_kv(dense_engine, p, tmp_path) for p in ids]
+  assert len(list(tmp_path.glob("*.npy"))) == 3
+  again = bench_contexts.piece_kv(dense_engine, ids[1], tmp_path)  # from disk, no prefill
+  np.testing.assert_array_equal(again, pieces[1])
+  src, _ = bench.real_prefill(dense_engine, ids[1])
+  np.testing.assert_allclose(pieces[1][0, 2], src.k[2][0, :, :64], atol=1e-2, rtol=1e-3)
+
+  cache = bench_contexts.stitched_cache(pieces, 150, 256, m, sink=4)
+  assert cache.k[0].shape == (1, m.num_kv_heads, 256, m.head_dim)
+  assert int(cache.lengths_B[0]) == 150
+  p = 64 + 60 + 7  # piece 2 (third), its position 4 + 7
+  assert bench_contexts.stitch_positions(64, 150, 4)[1][p] == 11
+
+  def unrotate(k_BKD, pos):
+    sin, cos = rope_tables(jnp.array([[pos]]), m)
+    return apply_rope(k_BKD[:, None], -sin, cos)[:, 0]
+
+  want = jnp.asarray(pieces[2][0, 1][None, :, 11].astype(np.float32))
+  np.testing.assert_allclose(unrotate(cache.k[1][:, :, p], p), unrotate(want, 11), atol=1e-4)
+  np.testing.assert_array_equal(cache.v[1][0, :, p], pieces[2][1, 1][:, 11].astype(np.float32))
+  assert float(jnp.abs(cache.k[1][:, :, 150:]).max()) == 0.0
 
 
 def _magicpig_engine_and_prefill(tiny, seed, batch):

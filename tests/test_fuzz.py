@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
+from pigjax.config import STORE_DTYPES
 from pigjax.store import HostKVStore, store_attend, store_insert
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def insert_cases(draw):
           ["float32", "bfloat16"])), v_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
            mu_dtype="float32", bad_code=None, nonfinite=None, nonfinite_in="k",
            prefill=draw(st.lists(st.sampled_from([0, 3, 10]), min_size=3, max_size=3)),
-           store_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+           store_dtype=draw(st.sampled_from(STORE_DTYPES)),
            seed=draw(st.integers(0, 2**31)),
            slots=draw(st.permutations(range(3)))[:B],
            lengths=draw(st.lists(st.integers(0, T), min_size=B, max_size=B)))
@@ -219,7 +220,7 @@ def attend_cases(draw):
            q_dtype=draw(st.sampled_from(["float32", "bfloat16"])), bad_code=None, nonfinite=None,
            # Pools from empty to full (capacity 24), with layer 1 always empty.
            fill=draw(st.lists(st.sampled_from([0, 1, 5, 24]), min_size=3, max_size=3)),
-           store_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+           store_dtype=draw(st.sampled_from(STORE_DTYPES)),
            seed=draw(st.integers(0, 2**31)),
            slots=draw(st.lists(st.integers(0, 2), min_size=B, max_size=B)))
   for f in _faults(draw, ATTEND_FAULTS):

@@ -74,12 +74,15 @@ def test_geometry_limits_name_the_value_and_the_limit():
     HostKVStore.estimate_bytes(**{**big, "num_layers": 2**33})
   with pytest.raises(ValueError, match=r"capacity must be an int, got 1.5"):
     HostKVStore.estimate_bytes(**{**big, "capacity": 1.5})
-  # The estimate stays exact below the limit (a plain product, as before).
+  # The estimate stays exact below the limit (a plain product, as before). A pool row is a
+  # 16-byte header (norm, K and V scales) then K and V, padded to 16 bytes: 80 bytes for float32
+  # at head_dim 8, 32 for int8.
   ok = dict(num_layers=3, num_slots=2, num_kv_heads=2, head_dim=8, num_bits=3, num_tables=4,
-            capacity=16, dtype="float32", threads=1)
-  per_head = 2 * 16 * 8 * 4 + 16 * 4 + 8 * 4 + 4 * ((8 + 1) * 4 + 16 * 4)
-  est = HostKVStore.estimate_bytes(**ok)
-  assert 12 * per_head < est < 12 * per_head + 12 * 1024 + 64 * 1024
+            capacity=16, threads=1)
+  for dtype, row_bytes in [("float32", 80), ("bfloat16", 48), ("int8", 32)]:
+    per_head = 16 * row_bytes + 8 * 4 + 4 * ((8 + 1) * 4 + 16 * 4)
+    est = HostKVStore.estimate_bytes(**ok, dtype=dtype)
+    assert 12 * per_head < est < 12 * per_head + 12 * 1024 + 64 * 1024, dtype
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,9 +139,12 @@ def _insert_args(T=5, seed=0, dtype=np.float32):
               lengths_B=np.array([T], np.int32), mu_BKD=mu)
 
 
+@pytest.mark.parametrize("store_dtype", config.STORE_DTYPES)
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-def test_non_finite_insert_is_an_error_that_changes_nothing(dtype):
-  with _store() as s:
+def test_non_finite_insert_is_an_error_that_changes_nothing(dtype, store_dtype):
+  # The check reads the operands before any conversion, so an int8 store rejects NaN keys too
+  # (quantizing would otherwise turn them into garbage codes and scales).
+  with _store(dtype=store_dtype) as s:
     h = jnp.int32(s.handle)  # an array handle: the C++ handler does the checking
     ins = lambda **kw: store_insert(h, 0, **{**_insert_args(dtype=dtype), **kw}).block_until_ready()
     a = _insert_args(dtype=dtype)
@@ -202,9 +208,9 @@ def test_non_finite_query_is_an_error_in_the_store_and_the_reference():
 def test_attention_settings_are_checked_for_every_kind():
   from pigjax import pipeline
   for kind in config.ATTENTION_KINDS:
-    cfg = Config(attention=AttentionConfig(kind=kind, store_dtype="int8"))
+    cfg = Config(attention=AttentionConfig(kind=kind, store_dtype="float16"))
     with pytest.raises(ValueError, match=r"attention.store_dtype must be one of \('bfloat16', "
-                       r"'float32'\), got 'int8'"):
+                       r"'float32', 'int8'\), got 'float16'"):
       pipeline.validate(cfg)
   with pytest.raises(ValueError, match=r"attention.num_bits must be in \[1, 16\], got 0"):
     pipeline.validate(Config(attention=AttentionConfig(num_bits=0)))
@@ -213,8 +219,8 @@ def test_attention_settings_are_checked_for_every_kind():
   with pytest.raises(ValueError, match=r"dense_layers \[30\] out of range for a 30-layer model"):
     config.validate_attention(AttentionConfig(dense_layers=(0, 30)), num_layers=30)
   # The store checks its dtype against the same tuple.
-  with pytest.raises(ValueError, match=r"dtype must be one of \('bfloat16', 'float32'\)"):
-    _store(dtype="int8")
+  with pytest.raises(ValueError, match=r"dtype must be one of \('bfloat16', 'float32', 'int8'\)"):
+    _store(dtype="float16")
   for dtype in config.STORE_DTYPES:
     with _store(dtype=dtype) as s:
       assert s.dtype == dtype

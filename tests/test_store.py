@@ -123,6 +123,55 @@ def test_bf16_storage_of_f32_inputs():
   np.testing.assert_allclose(o, ro, atol=5e-2)
 
 
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _stored_ref(k_BKTD, v_BKTD, q_BHD, lengths_B, codes_BKTL, num_bits, num_tables, store_dtype):
+  """The oracle over what a store of `store_dtype` holds (lsh.stored_values), with the codes and
+  mean of the unrounded keys, as the engine hashes them before the insert."""
+  B, K, T, _ = k_BKTD.shape
+  valid_BKT = jnp.broadcast_to(jnp.arange(T)[None, None] < lengths_B[:, None, None], (B, K, T))
+  w = lsh.simhash_matrix(0, 3, D, num_bits, num_tables)
+  mu, _ = lsh.centre_and_hash(k_BKTD, valid_BKT, w, num_bits, num_tables)
+  return lsh.pool_attention_ref(q_BHD, lsh.stored_values(k_BKTD, store_dtype),
+                                lsh.stored_values(v_BKTD, store_dtype), valid_BKT, mu, w,
+                                num_bits, num_tables, codes_BKTL=codes_BKTL)
+
+
+@pytest.mark.parametrize("kernels", ["best", "scalar"])
+def test_int8_store_matches_reference(kernels, monkeypatch):
+  """int8 K/V with a per-row scale (store dtype "int8") against the oracle over the same
+  quantised rows (lsh.quantize_int8_rows): equal up to f32 summation order, as for float32. And
+  against the unquantised f32 oracle: int8 rounds each element by at most max|row| / 254, a
+  little more than bf16's 2^-9 relative, so the same loose bound as the bf16 test holds."""
+  monkeypatch.setenv("PIGJAX_KERNELS", kernels)
+  num_bits, num_tables, B, K, G = 6, 20, 2, 2, 3
+  lengths = [800, 450]
+  d = _make(41, B, K, G, 800, lengths, num_bits, num_tables)
+  with _store(B, K, num_bits, num_tables, 1000, "int8") as s:
+    assert (s.isa == "scalar") == (kernels == "scalar")
+    o, lse, count = jax.block_until_ready(_insert_attend(s, d, jnp.arange(B))[1])
+  ro, rlse, rcount = _stored_ref(d["k"], d["v"], d["q"], d["lengths"], d["codes"], num_bits,
+                                 num_tables, "int8")
+  np.testing.assert_array_equal(count, rcount)
+  np.testing.assert_allclose(lse, rlse, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(o, ro, rtol=1e-4, atol=1e-4)
+  fo, flse, _ = d["ref"]
+  assert np.max(np.abs(np.asarray(o) - np.asarray(fo))) > 0  # it is quantised
+  np.testing.assert_allclose(lse, flse, atol=5e-2)
+  np.testing.assert_allclose(o, fo, atol=5e-2)
+
+
+def test_quantize_int8_rows():
+  """Scale max|x| / 127 per row, ties to even, the largest element exactly +-127, zero rows."""
+  x = jnp.asarray([[127.0, 63.5, 62.5, -0.5], [0.0, 0.0, 0.0, 0.0], [-254.0, 1.0, 3.0, 0.0]],
+                  jnp.float32)  # scales 1, 1 (zero row) and 2: every division exact
+  x8, scale = lsh.quantize_int8_rows(x)
+  np.testing.assert_array_equal(scale, [1.0, 1.0, 2.0])
+  np.testing.assert_array_equal(x8, [[127, 64, 62, 0], [0, 0, 0, 0], [-127, 0, 2, 0]])
+  assert x8.dtype == jnp.int8
+  with pytest.raises(ValueError, match="store_dtype"):
+    lsh.stored_values(x, "int4")
+
+
 def test_bf16_queries_and_scalar_kernels_and_threads(monkeypatch):
   """bf16 q; the portable scalar kernels and a 1-thread pool agree with AVX2 and 2 threads."""
   num_bits, num_tables = 5, 16
@@ -162,6 +211,35 @@ def test_two_phase_attend_matches_reference_and_one_thread(num_bits, num_tables,
     np.testing.assert_allclose(lse, rlse, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(o, ro, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", ["best", "scalar"])
+def test_row_output_independent_of_batch_mates(kernels, monkeypatch):
+  """A row's attend output is bitwise the same alone and beside rows of very different pool
+  lengths. Alone the call is below the parallel threshold (pool x query heads < 32768) and runs
+  on the calling thread; in the batch it is above and runs on two workers: each head must still
+  be summed in the same pieces and merge order (issue 10: greedy decoding diverged in a batch)."""
+  monkeypatch.setenv("PIGJAX_KERNELS", kernels)
+  num_bits, num_tables, K, G = 2, 8, 2, 3  # random codes: ~60% of the pool collides, 3 pieces
+  lengths = [2000, 6000, 7, 0]
+  d = _make(31, 4, K, G, 6000, lengths, num_bits, num_tables, oracle=False)
+  with _store(4, K, num_bits, num_tables, 6000, threads=2) as s:
+    assert (s.isa == "scalar") == (kernels == "scalar")
+    n = store_insert(s.handle, 1, jnp.arange(4, dtype=jnp.int32), d["k"], d["v"], d["codes"],
+                     d["lengths"], d["mu"])
+
+    def attend(rows):
+      rows = jnp.asarray(rows, jnp.int32)
+      return jax.block_until_ready(store_attend(s.handle, 1, rows, d["q"][rows],
+                                                d["qcodes"][rows], n[rows]))
+
+    alone = attend([0])
+    assert np.min(np.asarray(alone[2])) > 2 * 512  # several pieces per head
+    for rows in ([1, 0, 2], [3, 2, 0, 1]):
+      batch = attend(rows)
+      b = rows.index(0)
+      for x, y in zip(alone, batch):
+        np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[b])
 
 
 def test_empty_candidate_set():

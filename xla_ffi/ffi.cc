@@ -266,9 +266,11 @@ static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_
     c.dtype = pigjax::DType::kBf16;
   } else if (dtype == "float32") {
     c.dtype = pigjax::DType::kF32;
+  } else if (dtype == "int8") {
+    c.dtype = pigjax::DType::kI8;
   } else {
-    throw std::invalid_argument("store dtype must be 'bfloat16' or 'float32', got '" + dtype +
-                                "'.");
+    throw std::invalid_argument("store dtype must be 'bfloat16', 'float32' or 'int8', got '" +
+                                dtype + "'.");
   }
   if (auto e = pigjax::CheckConfig(c); !e.empty()) throw std::invalid_argument(e);
   return c;
@@ -365,6 +367,8 @@ NB_MODULE(_pigjax_ffi, m) {
     d["ids_walked"] = p.ids_walked;
     d["candidates"] = p.candidates;
     d["bytes"] = p.bytes;
+    d["parallel_calls"] = p.parallel_calls;
+    d["alone_ns"] = p.alone_ns;
     return d;
   });
   // STREAM-style bandwidth (GB/s, best of `repeats`) with `threads` threads (0 = all): a copy

@@ -34,6 +34,7 @@ struct bf16 {
 };
 
 inline float ToF32(float x) { return x; }
+inline float ToF32(int8_t x) { return static_cast<float>(x); }
 inline float ToF32(bf16 x) {
   uint32_t u = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -213,6 +214,10 @@ PIGJAX_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 PIGJAX_AVX2 inline __m256 Load8(const bf16* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+PIGJAX_AVX2 inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 PIGJAX_AVX2 inline __m256 Set(float x) { return _mm256_set1_ps(x); }
 PIGJAX_AVX2 inline float HSum(__m256 x) {
@@ -438,6 +443,8 @@ struct VecOps {
   float (*dot_bf16)(const float*, const bf16*, int64_t);
   void (*axpy_f32)(float, const float*, float*, int64_t);
   void (*axpy_bf16)(float, const bf16*, float*, int64_t);
+  float (*dot_i8)(const float*, const int8_t*, int64_t);
+  void (*axpy_i8)(float, const int8_t*, float*, int64_t);
   float (*scores)(const float*, const float*, int64_t, const ScoreParams&,
                   const LogCollisionTable&, float*);
   float (*exp_sum)(float*, int64_t, float);
@@ -448,11 +455,13 @@ struct VecOps {
   float Dot(const float* q, const bf16* k, int64_t d) const { return dot_bf16(q, k, d); }
   void Axpy(float w, const float* v, float* o, int64_t d) const { axpy_f32(w, v, o, d); }
   void Axpy(float w, const bf16* v, float* o, int64_t d) const { axpy_bf16(w, v, o, d); }
+  float Dot(const float* q, const int8_t* k, int64_t d) const { return dot_i8(q, k, d); }
+  void Axpy(float w, const int8_t* v, float* o, int64_t d) const { axpy_i8(w, v, o, d); }
 };
 
 inline VecOps ScalarVecOps() {
   return VecOps{"scalar", &scalar::Dot<float>, &scalar::Dot<bf16>, &scalar::Axpy<float>,
-                &scalar::Axpy<bf16>, &scalar::Scores, &scalar::ExpSum, &scalar::ScanMarks,
+                &scalar::Axpy<bf16>, &scalar::Dot<int8_t>, &scalar::Axpy<int8_t>, &scalar::Scores, &scalar::ExpSum, &scalar::ScanMarks,
                 &scalar::LogUs};
 }
 
@@ -462,7 +471,8 @@ inline const VecOps& GetVecOps() {
   static const VecOps scalar_ops = ScalarVecOps();
 #ifdef PIGJAX_X86
   static const VecOps avx2_ops{"avx2", &avx2::Dot<float>, &avx2::Dot<bf16>, &avx2::Axpy<float>,
-                               &avx2::Axpy<bf16>, &avx2::Scores, &avx2::ExpSum,
+                               &avx2::Axpy<bf16>, &avx2::Dot<int8_t>, &avx2::Axpy<int8_t>,
+                               &avx2::Scores, &avx2::ExpSum,
                                &avx2::ScanMarks, &avx2::LogUs};
   static const bool has_avx2 = [] {
     __builtin_cpu_init();
@@ -559,11 +569,22 @@ int64_t CollectCandidates(const VecOps& ops, const int32_t* offsets, const Table
 // ---------------------------------------------------------------------------------------------
 // Importance-weighted attention over the candidates (steps 6-8).
 
+// One pool token is one row: a header (|k - mu|, the K and V scales), then its K and V
+// (DESIGN.md section 2). A candidate is then one contiguous gather instead of three (K row, V
+// row, norm), which the hardware's adjacent-line prefetch and DRAM pages favour. Scales are 1
+// for float32 and bfloat16 rows; int8 rows hold round(x / scale), scale = max |x| / 127.
+struct RowHeader {
+  float norm, k_scale, v_scale, pad;
+};
+constexpr int64_t kRowHeaderBytes = sizeof(RowHeader);
+inline int64_t RowBytes(int64_t d, int64_t elem_bytes) {
+  return (kRowHeaderBytes + 2 * d * elem_bytes + 15) / 16 * 16;  // header floats stay aligned
+}
+
 struct PoolView {
-  const void* k;        // [n, D] of T
-  const void* v;        // [n, D] of T
-  const float* norms;   // [n]: |k_i - mu|
-  const float* mu;      // [D]
+  const char* rows;   // [n] rows of row_bytes: RowHeader, K [D] of T, V [D] of T
+  int64_t row_bytes;
+  const float* mu;    // [D]
   int64_t n;
 };
 
@@ -578,10 +599,20 @@ constexpr int64_t kPrefetchAhead = 16;
 // Scratch floats AccumulateAttention needs.
 constexpr int64_t kAttentionScratch = 2 * kChunk;
 
-template <typename T>
-inline void PrefetchRow(const T* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+// Every cache line of [p, p + bytes).
+inline void PrefetchLines(const char* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
+  }
+}
+
+inline int64_t PrefetchAhead() {
+  static const int64_t ahead = [] {
+    const char* e = std::getenv("PIGJAX_PREFETCH_AHEAD");
+    return e ? std::max(1, std::atoi(e)) : kPrefetchAhead;
+  }();
+  return ahead;
 }
 
 // Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query: o[D] holds
@@ -595,8 +626,10 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
                          float* scratch, float* o, float& m, float& z,
                          uint64_t* split_ns = nullptr) {
   if (count == 0) return;  // (an empty pool has no mean key to read)
-  const T* k = static_cast<const T*>(pool.k);
-  const T* v = static_cast<const T*>(pool.v);
+  const char* rows = pool.rows;
+  const int64_t rb = pool.row_bytes, ahead_n = PrefetchAhead();
+  auto header = [&](int64_t i) { return reinterpret_cast<const RowHeader*>(rows + i * rb); };
+  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb + kRowHeaderBytes); };
   const ScoreParams params{ops.Dot(q, pool.mu, d), std::sqrt(ops.Dot(q, q, d)),
                            1.f / std::sqrt(static_cast<float>(d))};
   float* s = scratch;              // [kChunk]: q.k, then scores, then weights
@@ -606,15 +639,11 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
     const uint64_t t0 = split_ns ? NowNsKernel() : 0;
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t c = c0 + j;
-      if (c + kPrefetchAhead < count) {
-        const int64_t ahead = cand[c + kPrefetchAhead];
-        PrefetchRow(k + ahead * d, d);
-        PrefetchRow(v + ahead * d, d);
-        __builtin_prefetch(pool.norms + ahead, 0, 3);
-      }
+      if (c + ahead_n < count) PrefetchLines(rows + cand[c + ahead_n] * rb, rb);
       const int64_t i = cand[c];
-      s[j] = ops.Dot(q, k + i * d, d);
-      norm[j] = pool.norms[i];
+      const RowHeader* h = header(i);
+      s[j] = h->k_scale * ops.Dot(q, key(i), d);  // (x 1 for float rows: exact)
+      norm[j] = h->norm;
     }
     const float mc = ops.scores(s, norm, nc, params, log_u, s);
     const uint64_t t1 = split_ns ? NowNsKernel() : 0;
@@ -627,7 +656,10 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
       m = mc;
     }
     z += ops.exp_sum(s, nc, m);
-    for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], v + int64_t{cand[c0 + j]} * d, o, d);
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t i = cand[c0 + j];
+      ops.Axpy(s[j] * header(i)->v_scale, key(i) + d, o, d);
+    }
     if (split_ns) {
       const uint64_t t2 = NowNsKernel();
       split_ns[0] += t1 - t0;

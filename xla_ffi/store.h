@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla_ffi/kernels.h"
@@ -26,10 +27,13 @@
 
 namespace pigjax {
 
-enum class DType { kF32, kBf16 };
+// Host K/V storage. kI8: int8 with one float scale per K row and per V row (in the row header).
+enum class DType { kF32, kBf16, kI8 };
 
-inline const char* DTypeName(DType t) { return t == DType::kF32 ? "float32" : "bfloat16"; }
-inline int64_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+inline const char* DTypeName(DType t) {
+  return t == DType::kF32 ? "float32" : t == DType::kBf16 ? "bfloat16" : "int8";
+}
+inline int64_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : t == DType::kBf16 ? 2 : 1; }
 
 template <typename... Args>
 std::string Str(const Args&... args) {
@@ -127,15 +131,14 @@ inline uint64_t EstimateBytes(const StoreConfig& c) {
 // One (layer, slot, kv head) pool. Buffers grow geometrically up to the capacity.
 struct HeadPool {
   int64_t n = 0;
-  std::vector<char> k, v;                 // [n, D] of the store dtype
-  std::vector<float> norms;               // [n]: |k_i - mu|, from the stored keys
+  std::vector<char> rows;                 // [n] rows: RowHeader (|k_i - mu| from the stored
+                                          // key, scales), K [D], V [D] of the store dtype
   std::vector<float> mu;                  // [D]
   std::vector<int32_t> offsets;           // [L, 2^K + 1]: bucket starts per table
   std::vector<std::vector<int32_t>> ids;  // [L][n]: token ids sorted by bucket per table
 
   uint64_t Bytes() const {
-    uint64_t b = k.capacity() + v.capacity() + 4 * (norms.capacity() + mu.capacity() +
-                                                    offsets.capacity());
+    uint64_t b = rows.capacity() + 4 * (mu.capacity() + offsets.capacity());
     for (const auto& t : ids) b += 4 * t.capacity();
     return b;
   }
@@ -156,8 +159,11 @@ inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out) {
   };
   const uint64_t cap = c.capacity, d = c.head_dim, tables = c.num_tables;
   const uint64_t buckets = (uint64_t{1} << c.num_bits) + 1;
-  // Per (layer, slot, kv head): K and V; |k~| (f32); mu (f32); per table CSR offsets and ids.
-  const uint64_t per_head = add(add(mul(mul(2 * cap, d), DTypeSize(c.dtype)), cap * 4 + d * 4),
+  // Per (layer, slot, kv head): rows of header (|k~|, scales) + K + V; mu (f32); per table CSR
+  // offsets and ids. RowBytes cannot overflow: head_dim < 2^31 and elements are <= 4 bytes.
+  const uint64_t row_bytes = static_cast<uint64_t>(RowBytes(int64_t{c.head_dim},
+                                                            DTypeSize(c.dtype)));
+  const uint64_t per_head = add(add(mul(cap, row_bytes), d * 4),
                                 mul(tables, buckets * 4 + cap * 4));
   const uint64_t pools = mul(mul(uint64_t(c.num_layers), uint64_t(c.num_slots)),
                              uint64_t(c.num_kv_heads));
@@ -217,6 +223,8 @@ struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
   uint64_t heads = 0, ids_walked = 0, candidates = 0, bytes = 0;
+  // Thread pool calls that ran in parallel, and their time before a second worker joined.
+  uint64_t parallel_calls = 0, alone_ns = 0;
   void Add(const Profile& o) {
     attend_calls += o.attend_calls, attend_ns += o.attend_ns, insert_calls += o.insert_calls;
     insert_ns += o.insert_ns, lookup_ns += o.lookup_ns, score_ns += o.score_ns;
@@ -299,12 +307,15 @@ class Store {
     profiling_ = on;
     prof_ = Profile();
     for (auto& s : scratch_) s.prof = Profile();
+    workers_.ResetCounters();
   }
   // Counters summed over workers since profiling was switched on.
   Profile GetProfile() {
     std::lock_guard<std::mutex> lock(mu_);
     Profile p = prof_;
     for (const auto& s : scratch_) p.Add(s.prof);
+    p.parallel_calls = workers_.parallel_calls();
+    p.alone_ns = workers_.alone_ns();
     return p;
   }
 
@@ -316,13 +327,11 @@ class Store {
 
   struct Scratch {
     CollisionCounter counter;
-    std::vector<int32_t> cand;
-    std::vector<float> score, q;
+    std::vector<float> score;
     std::vector<int32_t> bucket;  // [2^K + 1]
     Profile prof;
     uint64_t Bytes() const {
-      return counter.mark.capacity() + 4 * (cand.capacity() + score.capacity() + q.capacity() +
-                  bucket.capacity());
+      return counter.mark.capacity() + 4 * (score.capacity() + bucket.capacity());
     }
   };
 
@@ -361,10 +370,8 @@ template <typename T>
 void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len) {
   const int64_t d = cfg_.head_dim, hkv = cfg_.num_kv_heads, tt = a.k_shape[2];
   const int64_t n0 = p.n, n1 = n0 + len, limit = cfg_.capacity;
-  const size_t es = sizeof(T);
-  GrowTo(p.k, n1 * d * es, limit * d * es);
-  GrowTo(p.v, n1 * d * es, limit * d * es);
-  GrowTo(p.norms, n1, limit);
+  const int64_t rb = RowBytes(d, sizeof(T));
+  GrowTo(p.rows, n1 * rb, limit * rb);
   p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
   if (p.offsets.empty()) {
     p.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
@@ -372,27 +379,44 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
   }
   for (auto& ids : p.ids) GrowTo(ids, n1, limit);  // allocate here so the table pass cannot fail
 
-  T* k = reinterpret_cast<T*>(p.k.data());
-  T* v = reinterpret_cast<T*>(p.v.data());
+  std::vector<float> kf(d), vf(d);
   const int64_t src0 = (b * hkv + kvh) * tt * d;
-  for (int64_t j = 0; j < len; ++j) {
-    T* kr = k + (n0 + j) * d;
-    T* vr = v + (n0 + j) * d;
-    for (int64_t e = 0; e < d; ++e) {
-      const int64_t s = src0 + j * d + e;
-      const float kf = a.k_dtype == DType::kF32 ? static_cast<const float*>(a.k)[s]
-                                                : ToF32(static_cast<const bf16*>(a.k)[s]);
-      const float vf = a.v_dtype == DType::kF32 ? static_cast<const float*>(a.v)[s]
-                                                : ToF32(static_cast<const bf16*>(a.v)[s]);
-      kr[e] = FromF32<T>(kf);
-      vr[e] = FromF32<T>(vf);
+  auto read = [&](const void* x, DType t, int64_t s) {
+    return t == DType::kF32 ? static_cast<const float*>(x)[s]
+                            : ToF32(static_cast<const bf16*>(x)[s]);
+  };
+  // Stores x [D] as T; returns the row's scale (1 unless int8).
+  auto put = [&](const float* x, T* out) -> float {
+    if constexpr (std::is_same_v<T, int8_t>) {
+      float amax = 0.f;
+      for (int64_t e = 0; e < d; ++e) amax = std::max(amax, std::fabs(x[e]));
+      // Products with reciprocals, not divisions, exactly as lsh.quantize_int8_rows (XLA:CPU
+      // turns its divisions into such products); nearbyint rounds ties to even, as jnp.round.
+      const float scale = amax > 0.f ? amax * (1.f / 127.f) : 1.f, inv = 1.f / scale;
+      for (int64_t e = 0; e < d; ++e) {
+        out[e] = static_cast<int8_t>(std::clamp(std::nearbyint(x[e] * inv), -127.f, 127.f));
+      }
+      return scale;
+    } else {
+      for (int64_t e = 0; e < d; ++e) out[e] = FromF32<T>(x[e]);
+      return 1.f;
     }
+  };
+  for (int64_t j = 0; j < len; ++j) {
+    char* row = p.rows.data() + (n0 + j) * rb;
+    T* kr = reinterpret_cast<T*>(row + kRowHeaderBytes);
+    for (int64_t e = 0; e < d; ++e) {
+      kf[e] = read(a.k, a.k_dtype, src0 + j * d + e);
+      vf[e] = read(a.v, a.v_dtype, src0 + j * d + e);
+    }
+    RowHeader h{0.f, put(kf.data(), kr), put(vf.data(), kr + d), 0.f};
     float nn = 0.f;
     for (int64_t e = 0; e < d; ++e) {
-      const float c = ToF32(kr[e]) - p.mu[e];
+      const float c = ToF32(kr[e]) * h.k_scale - p.mu[e];
       nn += c * c;
     }
-    p.norms[n0 + j] = std::sqrt(nn);
+    h.norm = std::sqrt(nn);
+    std::memcpy(row, &h, sizeof(h));
   }
 }
 
@@ -434,9 +458,12 @@ inline void Store::AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, in
 // returning o = 0 for a NaN query) would hide a broken model. Checking costs one read of the
 // operand: nothing beside the K/V copy of an insert, and D floats per query head in an attend.
 
-// Index of the first NaN or +-Inf in x[0, n) of dtype t, or -1. Tests the exponent bits.
+// Index of the first NaN or +-Inf in x[0, n) of dtype t, or -1. Tests the exponent bits. t is an
+// operand dtype (float32 or bfloat16; int8 is only ever a storage dtype, and always finite). The
+// check runs on the operands, before any int8 quantization, so it applies to every store dtype.
 inline int64_t FirstNonFinite(const void* x, DType t, int64_t n) {
   const char* p = static_cast<const char*>(x);
+  if (t == DType::kI8) return -1;
   if (t == DType::kF32) {
     for (int64_t i = 0; i < n; ++i) {
       uint32_t u;
@@ -562,8 +589,10 @@ inline std::string Store::Insert(const InsertArgs& a) {
       HeadPool& p = Pool(a.layer, a.slots[b], h);
       if (c.dtype == DType::kF32) {
         CopyTokens<float>(a, b, h, p, len);
-      } else {
+      } else if (c.dtype == DType::kBf16) {
         CopyTokens<bf16>(a, b, h, p, len);
+      } else {
+        CopyTokens<int8_t>(a, b, h, p, len);
       }
     });
   } catch (const std::bad_alloc&) {
@@ -628,25 +657,23 @@ inline std::string Store::Attend(const AttendArgs& a) {
     work += n * hq;
   }
   const int64_t items = bsz * hq;
-  const bool split = work >= kMinParallelWork && workers_.size() > 1;
+  // Whether the pool's threads help depends on the whole call; how a head is computed does not.
+  // Every head runs the same steps (lookup, pieces of kPieceCandidates, log-sum-exp merge in
+  // piece order) whichever thread runs them, so a row's output is bitwise independent of the
+  // other rows of the call (a serving batch must not change a request's tokens).
+  const bool inline_only = work < kMinParallelWork || workers_.size() < 2;
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
       s.score.resize(kAttentionScratch);
-      s.q.resize(d);
     }
     // Candidate buffers; the branch-free scan writes past the last candidate.
-    if (!split) {
-      std::vector<int32_t>& cand = scratch_[0].cand;
-      if (cand.size() < size_t(max_n + kScanSlack)) cand.resize(max_n + kScanSlack);
-    } else {
-      if (item_cand_.size() < size_t(items)) item_cand_.resize(items);
-      for (int64_t i = 0; i < items; ++i) {
-        const int64_t n = Pool(a.layer, a.slots[i / hq], 0).n;
-        if (item_cand_[i].size() < size_t(n + kScanSlack)) item_cand_[i].resize(n + kScanSlack);
-      }
-      item_q_.resize(items * d);
+    if (item_cand_.size() < size_t(items)) item_cand_.resize(items);
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t n = Pool(a.layer, a.slots[i / hq], 0).n;
+      if (item_cand_[i].size() < size_t(n + kScanSlack)) item_cand_[i].resize(n + kScanSlack);
     }
+    item_q_.resize(items * d);
   } catch (const std::bad_alloc&) {
     return "store_attend: out of host memory for the lookup scratch.";
   }
@@ -678,7 +705,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.prof.heads += 1;
       s.prof.ids_walked += walked;
       s.prof.candidates += count;
-      s.prof.bytes += walked * 4 + count * (2 * d * DTypeSize(c.dtype) + 4);
+      s.prof.bytes += walked * 4 + count * RowBytes(d, DTypeSize(c.dtype));
     }
     a.count[i] = static_cast<int32_t>(count);
     return count;
@@ -687,69 +714,58 @@ inline std::string Store::Attend(const AttendArgs& a) {
   auto accumulate = [&](int64_t i, Scratch& s, const float* q, const int32_t* cand, int64_t count,
                         float* o, float& m, float& z) {
     HeadPool& p = pool_of(i);
-    const PoolView view{p.k.data(), p.v.data(), p.norms.data(), p.mu.data(), p.n};
+    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)), p.mu.data(), p.n};
     uint64_t split_ns[2] = {0, 0};
+    uint64_t* sp = prof ? split_ns : nullptr;
     if (c.dtype == DType::kF32) {
-      AccumulateAttention<float>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z,
-                                 prof ? split_ns : nullptr);
+      AccumulateAttention<float>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z, sp);
+    } else if (c.dtype == DType::kBf16) {
+      AccumulateAttention<bf16>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z, sp);
     } else {
-      AccumulateAttention<bf16>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z,
-                                prof ? split_ns : nullptr);
+      AccumulateAttention<int8_t>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z,
+                                  sp);
     }
     s.prof.score_ns += split_ns[0];
     s.prof.softmax_ns += split_ns[1];
   };
 
-  if (!split) {
-    // Small calls, or one worker: every query head start to finish on the calling thread.
-    Scratch& s = scratch_[0];
-    for (int64_t i = 0; i < items; ++i) {
-      float* o = a.o + i * d;
-      std::fill(o, o + d, 0.f);
-      float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-      const int64_t count = lookup(i, s, s.q.data(), s.cand.data());
-      accumulate(i, s, s.q.data(), s.cand.data(), count, o, m, z);
-      FinishAttention(o, d, m, z, &a.lse[i]);
+  // Two phases, so that two workers share nine query heads evenly: all lookups, then the
+  // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
+  // (o, m, z), merged per head by log-sum-exp at the end.
+  workers_.ParallelFor(items, [&](int64_t i, int w) {
+    lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
+  }, inline_only);
+  pieces_.clear();
+  for (int64_t i = 0; i < items; ++i) {
+    for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
+      pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
     }
-  } else {
-    // Two phases, so that two workers share nine query heads evenly: all lookups, then the
-    // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
-    // (o, m, z), merged per head by log-sum-exp at the end.
-    workers_.ParallelFor(items, [&](int64_t i, int w) {
-      lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
-    });
-    pieces_.clear();
-    for (int64_t i = 0; i < items; ++i) {
-      for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
-        pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
-      }
+  }
+  const int64_t np = static_cast<int64_t>(pieces_.size());
+  piece_o_.assign(np * d, 0.f);
+  piece_mz_.assign(2 * np, 0.f);
+  workers_.ParallelFor(np, [&](int64_t j, int w) {
+    const Piece& pc = pieces_[j];
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,
+               item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin,
+               piece_o_.data() + j * d, m, z);
+    piece_mz_[2 * j] = m;
+    piece_mz_[2 * j + 1] = z;
+  }, inline_only);
+  int64_t j = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    float* o = a.o + i * d;
+    std::fill(o, o + d, 0.f);
+    const int64_t j0 = j;
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    for (; j < np && pieces_[j].item == i; ++j) m = std::max(m, piece_mz_[2 * j]);
+    for (int64_t k = j0; k < j; ++k) {
+      const float r = std::exp(piece_mz_[2 * k] - m);
+      z += r * piece_mz_[2 * k + 1];
+      for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
     }
-    const int64_t np = static_cast<int64_t>(pieces_.size());
-    piece_o_.assign(np * d, 0.f);
-    piece_mz_.assign(2 * np, 0.f);
-    workers_.ParallelFor(np, [&](int64_t j, int w) {
-      const Piece& pc = pieces_[j];
-      float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-      accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,
-                 item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin,
-                 piece_o_.data() + j * d, m, z);
-      piece_mz_[2 * j] = m;
-      piece_mz_[2 * j + 1] = z;
-    });
-    int64_t j = 0;
-    for (int64_t i = 0; i < items; ++i) {
-      float* o = a.o + i * d;
-      std::fill(o, o + d, 0.f);
-      const int64_t j0 = j;
-      float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-      for (; j < np && pieces_[j].item == i; ++j) m = std::max(m, piece_mz_[2 * j]);
-      for (int64_t k = j0; k < j; ++k) {
-        const float r = std::exp(piece_mz_[2 * k] - m);
-        z += r * piece_mz_[2 * k + 1];
-        for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
-      }
-      FinishAttention(o, d, m, z, &a.lse[i]);
-    }
+    FinishAttention(o, d, m, z, &a.lse[i]);
   }
   if (prof) {
     prof_.attend_calls += 1;

@@ -5,9 +5,12 @@
 #ifndef PIGJAX_XLA_FFI_THREAD_POOL_H_
 #define PIGJAX_XLA_FFI_THREAD_POOL_H_
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -57,14 +60,16 @@ class ThreadPool {
       for (int64_t i = 0; i < n; ++i) task(i, 0);
       return;
     }
+    const uint64_t t0 = Now();
     {
       std::lock_guard<std::mutex> lock(mu_);
       task_ = &task;
       n_.store(n);
       done_.store(0);
       error_ = nullptr;
+      joined_ns_.store(0);
       next_.store(0);  // after task_ and n_: a worker that claims an index sees this call's task
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     start_cv_.notify_all();
     RunTasks(0);
@@ -72,21 +77,56 @@ class ThreadPool {
     done_cv_.wait(lock, [this] { return done_.load() == n_; });
     next_.store(std::numeric_limits<int64_t>::max() / 2);  // late wakers find nothing to claim
     task_ = nullptr;
+    // Until a second worker joined, the call ran on one core (the whole call if none did).
+    const uint64_t joined = joined_ns_.load();
+    alone_ns_ += (joined ? std::max(joined, t0) : Now()) - t0;
+    parallel_calls_ += 1;
     if (error_) std::rethrow_exception(error_);
   }
 
+  // Sum over parallel calls of the time before the first other worker started a task, and the
+  // number of such calls (diagnostics: how late the other workers wake up).
+  uint64_t alone_ns() const { return alone_ns_; }
+  uint64_t parallel_calls() const { return parallel_calls_; }
+  void ResetCounters() { alone_ns_ = parallel_calls_ = 0; }
+
  private:
+  static uint64_t Now() {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now().time_since_epoch())
+                                     .count());
+  }
+
+  // How long a worker stays awake after its last task, polling for the next call before it
+  // sleeps: the sparse layers of one decode step call the store a millisecond or two apart, and
+  // a sleeping worker needs a wake-up (tens of microseconds, a scheduler tick on a busy machine).
+  // PIGJAX_SPIN_US overrides it (0: sleep at once).
+  static uint64_t SpinNs() {
+    static const uint64_t ns = [] {
+      const char* e = std::getenv("PIGJAX_SPIN_US");
+      return uint64_t(e ? std::max(0, std::atoi(e)) : kDefaultSpinUs) * 1000;
+    }();
+    return ns;
+  }
+  static constexpr int kDefaultSpinUs = 0;
+
   void StopAndJoin() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     start_cv_.notify_all();
     for (auto& t : threads_) t.join();
   }
 
   void RunTasks(int worker) {
+    bool first = worker != 0;
     for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
+      if (first) {
+        uint64_t zero = 0;
+        joined_ns_.compare_exchange_strong(zero, Now());
+        first = false;
+      }
       try {
         (*task_)(i, worker);
       } catch (...) {
@@ -103,11 +143,21 @@ class ThreadPool {
   void WorkerLoop(int worker) {
     uint64_t seen = 0;
     while (true) {
+      const uint64_t spin = SpinNs();
+      if (spin > 0) {
+        const uint64_t until = Now() + spin;
+        while (generation_.load(std::memory_order_acquire) == seen && !stop_.load() &&
+               Now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+          __builtin_ia32_pause();
+#endif
+        }
+      }
       {
         std::unique_lock<std::mutex> lock(mu_);
-        start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        start_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        if (stop_.load()) return;
+        seen = generation_.load();
       }
       RunTasks(worker);
     }
@@ -120,8 +170,10 @@ class ThreadPool {
   std::atomic<int64_t> n_{0};
   std::atomic<int64_t> next_{std::numeric_limits<int64_t>::max() / 2};
   std::atomic<int64_t> done_{0};
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> joined_ns_{0};
+  uint64_t alone_ns_ = 0, parallel_calls_ = 0;
   std::exception_ptr error_;
 };
 
