@@ -188,8 +188,9 @@ def test_concurrent_and_late_streams_equal_alone(servers, kind):
     assert 0.0 < comp.model_extra["pigjax"]["pool_fraction"] <= 1.0
 
 
-def test_cancelled_streams_free_their_rows(servers):
-  server = servers["dense"]
+@pytest.mark.parametrize("kind", ["dense", "magicpig"])
+def test_cancelled_streams_free_their_rows(servers, kind):
+  server = servers[kind]
   client = server.client()
   before = server.health()["finished"].get("cancelled", 0)
   streams = [client.completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=480,
