@@ -93,9 +93,9 @@ class Config:
   # checkpoint, "dense" otherwise). Prefill always uses the dense weights. The default stays
   # "dense" until the quantized path is measured faster on a quiet machine (BENCHMARKS.md).
   weights: str = "dense"
-  # Activation precision of the quantized kernel: 16 (two int8 bytes per value: the decode step
-  # computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one byte, as
-  # llama.cpp does: one integer dot per block instead of two, errors of about 1%).
+  # Activation precision of the quantized kernel: 16 (a code and a remainder byte per value: the
+  # decode step computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one
+  # byte, llama.cpp's rounding: no faster in this kernel, errors of about 1%).
   act_bits: int = 16
   max_seq_len: int = 4096  # cache capacity per sequence (prompt + generated)
   prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks

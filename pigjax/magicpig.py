@@ -121,8 +121,11 @@ class MagicPigBackend:
     a = self.cfg.attention
     B, _, H, D = q_BTHD.shape
     x_new = a.sink + a.window + cache.gen_count
-    k = _write_at(cache.k[layer], k_BTKD, x_new)
-    v = _write_at(cache.v[layer], v_BTKD, x_new)
+    # The barrier materialises each written buffer once: without it XLA:CPU duplicates the
+    # update into both of its users (the attention below and the returned cache), and each
+    # duplicate copies the whole buffer first (8 copies of [B, K, X, D] per layer and step).
+    k, v = jax.lax.optimization_barrier((_write_at(cache.k[layer], k_BTKD, x_new),
+                                         _write_at(cache.v[layer], v_BTKD, x_new)))
     exact_pos_BX = cache.exact_pos_BX.at[:, x_new].set(cache.lengths_B)
     o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k, v, (exact_pos_BX >= 0)[:, None])
 

@@ -4,8 +4,9 @@ XLA:CPU has no fast int8 x float32 dot, so a decode step that reads quantized we
 extension's `pigjax_quant_matmul` FFI handler (xla_ffi/quant.h). Weights stay in llama.cpp's
 32-element block formats (Q8_0, Q4_0, Q4_1; byte-identical to GGUF, so a GGUF's own tensors are
 used as stored); the activation rows are quantized once per call to int8 blocks, with an optional
-second int8 "remainder" byte per element (`act_bits=16`) that makes the block products as exact
-as the float32 product with the dequantized weights, at the price of a second integer dot.
+second int8 "remainder" per element (`act_bits=16`, held with the code as one int16) that makes
+the block products as exact as the float32 product with the dequantized weights, at no extra
+cost in the kernel.
 
 `QTensor` is a weight in blocks (a pytree: the bytes are the leaf, the format and shape static).
 `matmul` is the FFI call; `matmul_reference` is its pure-jnp twin, which performs the same integer
@@ -43,7 +44,7 @@ class QTensor:
   blocks_NR: uint8 [N, K / 32 * bytes per block].
   act_bits: how the kernel quantizes the activations it multiplies this weight with: 16 (two
     int8 bytes per element: the result equals the float32 product with the dequantized weight to
-    about 1e-5) or 8 (one byte, llama.cpp's choice: one integer dot per block, errors of about 1%
+    about 1e-5) or 8 (one byte, llama.cpp's rounding: as fast on AVX2, errors of about 1%
     of the output's scale).
   """
   blocks_NR: jax.Array
