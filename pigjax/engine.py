@@ -97,16 +97,24 @@ class Engine:
     cache = dataclasses.replace(cache, lengths_B=cache.lengths_B + n_valid_B)
     return cache, last_hidden_BE
 
-  def _first_token(self, params, last_hidden_BE, key, history_BS, sc: SamplingConfig):
+  def _hidden_logits(self, params, last_hidden_BE):
+    """Next-token logits from final hidden states (the first token after prefill)."""
     model = nnx.merge(self.graphdef, params)
-    logits_BV = model.logits(last_hidden_BE[:, None])[:, 0]
-    return _sample(logits_BV, key, history_BS, sc)
+    return model.logits(last_hidden_BE[:, None])[:, 0]
 
-  def _decode_step(self, params, cache, tokens_B, key, history_BS, sc: SamplingConfig):
+  def _decode_logits(self, params, cache, tokens_B):
+    """One decode step's forward: next-token logits and the updated cache (the sampling is the
+    caller's, so `pigjax.serving` can sample each row with its own parameters)."""
     model, (h_B1E, cache) = self._forward(params, tokens_B[:, None], cache,
                                           self.backend.decode_attend)
     cache = dataclasses.replace(cache, lengths_B=cache.lengths_B + 1)
-    logits_BV = model.logits(h_B1E)[:, 0]
+    return model.logits(h_B1E)[:, 0], cache
+
+  def _first_token(self, params, last_hidden_BE, key, history_BS, sc: SamplingConfig):
+    return _sample(self._hidden_logits(params, last_hidden_BE), key, history_BS, sc)
+
+  def _decode_step(self, params, cache, tokens_B, key, history_BS, sc: SamplingConfig):
+    logits_BV, cache = self._decode_logits(params, cache, tokens_B)
     return _sample(logits_BV, key, history_BS, sc), cache
 
   def _compile(self, name: str, fn: Callable, static: tuple, donate: tuple, *args) -> Callable:

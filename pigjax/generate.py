@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from pigjax import cli
 from pigjax import config as config_lib
-from pigjax import pipeline
+from pigjax import pipeline, placement
 from pigjax.pipeline import Pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
@@ -49,6 +49,7 @@ def generate(argv):
   ids = [pipeline.encode_prompt(tokenizer, p, _CHAT.value, _SYSTEM.value) for p in prompts]
   pipeline.check_prompt_lengths(ids, cfg.sampling.max_new_tokens, cfg.max_seq_len)
 
+  placement.quiet_jax_logs()
   if _CACHE.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   pipe = Pipeline.load(cfg, tokenizer=tokenizer)

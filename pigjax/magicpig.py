@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, lsh
+from pigjax import attention, lsh, placement
 from pigjax.config import Config, validate_attention
 from pigjax.store import HostKVStore, store_attend, store_insert
 
@@ -58,6 +58,7 @@ class MagicPigBackend:
           "paper's estimator ('magicpig') only. Use --config.attention.estimator=magicpig, or "
           "evaluate the other estimators in the pure-jnp reference (scripts/eval_quality.py, "
           "pigjax.eval.policies).")
+    placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
@@ -152,10 +153,12 @@ class MagicPigBackend:
 
   # -- jitted host-store maintenance --------------------------------------------------------
 
-  def _split_prefill(self, dense: attention.DenseCache, handle) -> MagicPigCache:
-    """Keeps exact tokens on the device and inserts each sparse layer's pool into the store."""
+  def _split_prefill(self, dense: attention.DenseCache, handle, slots_B=None) -> MagicPigCache:
+    """Keeps exact tokens on the device and inserts each sparse layer's pool into the store
+    (row b into store slot slots_B[b]; by default slot b)."""
     a, m = self.cfg.attention, self.cfg.model
     B = dense.lengths_B.shape[0]
+    slots_B = jnp.arange(B, dtype=jnp.int32) if slots_B is None else slots_B
     n_B = dense.lengths_B
     exact = a.sink + a.window
     # Exact-buffer entry j < sink + window holds prompt position pos[b, j].
@@ -198,8 +201,8 @@ class MagicPigBackend:
       mu_BKD, codes_BKPL = lsh.centre_and_hash(kp_BKPD, valid_BKP, w_l, a.num_bits, a.num_tables)
       # Every insert feeds pool_len_B, which every later attend takes as its ordering operand.
       out_len_B = jnp.maximum(out_len_B, store_insert(
-          handle, self.store_index[layer], jnp.arange(B, dtype=jnp.int32), kp_BKPD, vp_BKPD,
-          codes_BKPL, pool_len_B, mu_BKD))
+          handle, self.store_index[layer], slots_B, kp_BKPD, vp_BKPD, codes_BKPL, pool_len_B,
+          mu_BKD))
       mu.append(mu_BKD), w.append(w_l)
     return MagicPigCache(
         k=tuple(k), v=tuple(v), lengths_B=n_B, exact_pos_BX=exact_pos_BX,

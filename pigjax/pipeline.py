@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
-from pigjax import sampling, weights
-from pigjax.config import Config, SamplingConfig, validate_attention
+from pigjax import placement, sampling, weights
+from pigjax.config import AttentionConfig, Config, SamplingConfig, validate_attention
 from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
 from pigjax.model import WEIGHT_FORMATS, Llama, attach_quantized, from_hf_tensors
 from pigjax.tokenizer import Tokenizer
@@ -165,6 +165,7 @@ class Pipeline:
     model_cfg, tensors, tokenizer, blocks = load_model_and_tokenizer(
         cfg.checkpoint, progress, tokenizer, blocks=fmt == "gguf")
     cfg = dataclasses.replace(cfg, model=model_cfg)
+    placement.place_for(cfg.attention.kind)  # before any weight reaches a device
     model = from_hf_tensors(model_cfg, tensors, dtype=_DTYPES[cfg.dtype])
     quant_bytes = 0 if fmt == "dense" else attach_quantized(model, tensors, fmt, blocks,
                                                                  cfg.act_bits)
@@ -172,6 +173,13 @@ class Pipeline:
     engine = Engine(cfg, model, make_backend(cfg))
     return cls(cfg, model, tokenizer, engine, load_s=time.perf_counter() - t0, weights=fmt,
                quant_bytes=quant_bytes)
+
+  def with_attention(self, attention: AttentionConfig) -> Pipeline:
+    """The same weights and tokenizer with another attention backend (nothing is reloaded)."""
+    cfg = dataclasses.replace(self.cfg, attention=attention)
+    validate(cfg)
+    placement.place_for(attention.kind)
+    return dataclasses.replace(self, cfg=cfg, engine=Engine(cfg, self.model, make_backend(cfg)))
 
   def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
     """Prompt ids; with `chat`, rendered through the checkpoint's chat template first."""

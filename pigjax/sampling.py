@@ -145,6 +145,68 @@ def sample(
   return jnp.where(t_B1[:, 0] > 0, drawn_B, greedy_B)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowSampling:
+  """Per-row sampling parameters as [B] arrays, so one compiled step serves rows with different
+  settings (continuous batching): changing a row's values never recompiles.
+
+  Off values: temperature 0 (greedy), top_k 0, top_p 1, min_p 0, repetition_penalty 1.
+  """
+  temperature_B: jax.Array  # float32
+  top_k_B: jax.Array  # int32
+  top_p_B: jax.Array  # float32
+  min_p_B: jax.Array  # float32
+  repetition_penalty_B: jax.Array  # float32
+
+  @classmethod
+  def from_rows(cls, rows: Sequence[Any]) -> RowSampling:
+    """From objects with temperature, top_k, top_p, min_p and repetition_penalty attributes
+    (e.g. `SamplingConfig`), one per row."""
+    import numpy as np
+    col = lambda name, dtype: jnp.asarray(np.array([getattr(r, name) for r in rows], dtype))
+    return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
+               col("min_p", np.float32), col("repetition_penalty", np.float32))
+
+
+def row_keys(seeds_B: jax.Array, counters_B: jax.Array) -> jax.Array:
+  """One PRNG key per row from its own seed and its own token counter, so a row's draws do not
+  depend on which other rows share the batch or when it joined."""
+  return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_B, counters_B)
+
+
+def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, params: RowSampling, *,
+                penalize: bool = True, stochastic: bool = True,
+                prev_tokens_BT: jax.Array | None = None) -> jax.Array:
+  """Draws one next token per row, each row with its own parameters and key.
+
+  Args:
+    logits_BV: next-token logits.
+    keys_B: one PRNG key per row (`row_keys`).
+    params: per-row settings.
+    penalize: static; False drops the repetition-penalty stage (every row's penalty is 1).
+    stochastic: static; False drops the sampling stages (every row is greedy). Both switches
+      only remove work: a row gets the same token either way when its own settings are off.
+    prev_tokens_BT: int32 ids seen so far per row, -1 padded (needed when `penalize`).
+  Returns:
+    int32[B] token ids.
+  """
+  logits_BV = jnp.asarray(logits_BV, jnp.float32)
+  if penalize:
+    if prev_tokens_BT is None:
+      raise ValueError("sample_rows(penalize=True) needs prev_tokens_BT.")
+    logits_BV = apply_repetition_penalty(logits_BV, prev_tokens_BT, params.repetition_penalty_B)
+  greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  if not stochastic:
+    return greedy_B
+  t_B1 = params.temperature_B[:, None]
+  scaled_BV = logits_BV / jnp.where(t_B1 > 0, t_B1, 1.0)
+  filtered_BV = filter_logits(scaled_BV, top_k=params.top_k_B, top_p=params.top_p_B,
+                              min_p=params.min_p_B)
+  drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
+  return jnp.where(params.temperature_B > 0, drawn_B, greedy_B)
+
+
 def validate_sampling(temperature, top_k, top_p, min_p, repetition_penalty=1.0,
                       max_new_tokens=1) -> None:
   """Raises ValueError naming the first out-of-range sampling parameter (before any model work)."""

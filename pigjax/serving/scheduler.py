@@ -1,0 +1,337 @@
+"""Continuous batching: requests join free rows between decode steps and leave as soon as they end.
+
+Each `step()` does, in order (DESIGN.md section 6):
+  1. drop cancelled requests (their rows are free at once);
+  2. if no prefill is in progress and a row is free, start prefilling the oldest waiting request
+     alone (batch 1);
+  3. run ONE chunk of that prefill; when its prompt is done, put it into its row and sample its
+     first token;
+  4. run one decode step of every row holding a request.
+So a long prompt is read a chunk at a time while the running rows keep producing a token per
+step. Nothing here knows about HTTP: `pigjax.serving.server` submits requests and forwards each
+`Output` to its client, and the tests drive `step()` directly.
+
+Per-request text is produced on the host: new ids are decoded incrementally, stop ids and stop
+strings end a request (`sampling.StopChecker`), and text that could be the start of a stop string
+is held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import random
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+from pigjax import sampling
+from pigjax.serving.batch import Prefill, SlotBatch, needs_full_sampler
+
+log = logging.getLogger("pigjax.serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+  """One request's generation settings (the OpenAI request fields, validated by the caller)."""
+  max_tokens: int = 16
+  temperature: float = 0.0  # 0 = greedy
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  seed: int | None = None  # None: a random seed
+  stop: tuple[str, ...] = ()
+  ignore_eos: bool = False  # keep going past end-of-sequence ids (benchmarks)
+
+  def validate(self) -> None:
+    """Raises ValueError naming the first bad field (OpenAI's names)."""
+    if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+      raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}.")
+    sampling.validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p,
+                               self.repetition_penalty)
+
+
+class PromptTooLong(ValueError):
+  """The prompt plus max_tokens does not fit in a row's context."""
+
+
+@dataclasses.dataclass
+class Output:
+  """What a request produced since its previous Output."""
+  request_id: str
+  text: str  # new text (stop strings and what follows them are never included)
+  token_ids: list[int]  # new generated ids
+  finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" | None
+  prompt_tokens: int = 0
+  completion_tokens: int = 0  # generated so far
+  pool_fraction: float | None = None  # MagicPIG: share of the pool attended (on finish)
+  error: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+  id: str
+  prompt_ids: list[int]
+  params: RequestParams
+  on_output: Callable[[Output], None]
+  seed: int
+  checker: sampling.StopChecker
+  new_ids: list[int] = dataclasses.field(default_factory=list)
+  sent_chars: int = 0
+  slot: int = -1
+
+
+class Scheduler:
+  """Admits, steps and finishes requests over a `SlotBatch`.
+
+  Thread-safe entry points: `submit`, `cancel`. Everything else runs on one thread (the
+  `run_forever` loop, or the caller's when it calls `step` directly).
+
+  Args:
+    batch: the device rows.
+    tokenizer: decodes ids (and gives stop ids).
+    context_limit: most prompt + generated tokens per request.
+  """
+
+  def __init__(self, batch: SlotBatch, tokenizer, context_limit: int):
+    self.batch = batch
+    self.tokenizer = tokenizer
+    self.context_limit = min(context_limit, batch.cache_len)
+    B = batch.slots
+    self._lock = threading.Condition()
+    self._waiting: collections.deque[_Request] = collections.deque()
+    self._cancelled: set[str] = set()
+    self._rows: list[_Request | None] = [None] * B  # decoding rows
+    self._prefill: tuple[_Request, Prefill] | None = None
+    self._ids = itertools.count()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    # Per-row host state uploaded every step (small); idle rows keep neutral settings.
+    self._tokens_B = np.zeros(B, np.int32)
+    self._seeds_B = np.zeros(B, np.int32)
+    self._counters_B = np.zeros(B, np.int32)
+    self._history_BS = np.full((B, batch.cache_len), -1, np.int32)
+    self._params: list[RequestParams] = [RequestParams()] * B
+    self.steps = 0  # decode steps run (for tests and stats)
+    self.finished: collections.Counter[str] = collections.Counter()  # requests by finish reason
+
+  # -- thread-safe API ----------------------------------------------------------------------
+
+  def submit(self, prompt_ids: Sequence[int], params: RequestParams,
+             on_output: Callable[[Output], None]) -> str:
+    """Queues a request; `on_output` is called (from the scheduler thread) with its outputs.
+
+    Raises:
+      ValueError naming a bad field; PromptTooLong when prompt + max_tokens exceeds the context.
+    """
+    params.validate()
+    n = len(prompt_ids)
+    if n < 1:
+      raise ValueError("The prompt is empty: it needs at least one token.")
+    if n + params.max_tokens > self.context_limit:
+      raise PromptTooLong(
+          f"This model's context is {self.context_limit} tokens; the prompt has {n} tokens and "
+          f"max_tokens is {params.max_tokens}. Shorten the prompt or lower max_tokens.")
+    seed = params.seed if params.seed is not None else random.randrange(2**31)
+    req = _Request(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
+                   on_output=on_output, seed=int(seed) % 2**31,
+                   checker=sampling.StopChecker(() if params.ignore_eos else self.tokenizer.stop_ids, params.stop,
+                                                self.tokenizer))
+    with self._lock:
+      self._waiting.append(req)
+      self._lock.notify()
+    return req.id
+
+  def cancel(self, request_id: str) -> None:
+    """Ends a request (waiting, prefilling or decoding); its row is freed on the next step."""
+    with self._lock:
+      self._cancelled.add(request_id)
+      self._lock.notify()
+
+  # -- state --------------------------------------------------------------------------------
+
+  @property
+  def num_running(self) -> int:
+    return sum(r is not None for r in self._rows)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting) + (self._prefill is not None)
+
+  def has_work(self) -> bool:
+    return bool(self._waiting or self._prefill or self.num_running or self._cancelled)
+
+  def _free_slot(self) -> int | None:
+    reserved = self._prefill[0].slot if self._prefill else -1
+    return next((b for b, r in enumerate(self._rows) if r is None and b != reserved), None)
+
+  # -- the loop -----------------------------------------------------------------------------
+
+  def step(self) -> bool:
+    """One scheduling round (see the module docstring). Returns whether it did any work."""
+    did = self._drop_cancelled()
+    if self._prefill is None:
+      with self._lock:
+        slot = self._free_slot() if self._waiting else None
+        req = self._waiting.popleft() if slot is not None else None
+      if req is not None:
+        req.slot = slot
+        self._prefill = (req, self.batch.start_prefill(req.prompt_ids))
+    if self._prefill is not None:
+      req, p = self._prefill
+      self.batch.prefill_chunk(p)
+      if p.finished:
+        self._prefill = None
+        self._admit(req, p)
+      did = True
+    if self.num_running:
+      self._decode()
+      did = True
+    return did
+
+  def run_until_idle(self, max_steps: int = 100_000) -> None:
+    """Steps until nothing is waiting or running (tests, scripts)."""
+    for _ in range(max_steps):
+      if not self.has_work():
+        return
+      self.step()
+    raise RuntimeError(f"The scheduler was still busy after {max_steps} steps.")
+
+  def run_forever(self) -> None:
+    """The serving loop: steps while there is work, sleeps until a submit or cancel."""
+    while not self._stop.is_set():
+      with self._lock:
+        while not self.has_work() and not self._stop.is_set():
+          self._lock.wait()
+      if self._stop.is_set():
+        break
+      try:
+        self.step()
+      except Exception as e:  # keep serving: fail the requests in flight, not the server
+        log.exception("decode step failed")
+        self._fail_all(f"{type(e).__name__}: {e}")
+
+  def start(self) -> None:
+    self._thread = threading.Thread(target=self.run_forever, name="pigjax-scheduler",
+                                    daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    with self._lock:
+      self._lock.notify()
+    if self._thread is not None:
+      self._thread.join()
+
+  # -- internals ----------------------------------------------------------------------------
+
+  def _drop_cancelled(self) -> bool:
+    with self._lock:
+      cancelled, self._cancelled = self._cancelled, set()
+      if not cancelled:
+        return False
+      for req in [r for r in self._waiting if r.id in cancelled]:
+        self._waiting.remove(req)
+        self._emit(req, "", [], "cancelled")
+    if self._prefill is not None and self._prefill[0].id in cancelled:
+      self._emit(self._prefill[0], "", [], "cancelled")
+      self._prefill = None
+    for req in list(self._rows):
+      if req is not None and req.id in cancelled:
+        self._finish(req, "", "cancelled")
+    return True
+
+  def _admit(self, req: _Request, p: Prefill) -> None:
+    b, prm = req.slot, req.params
+    hist = np.full(self.batch.cache_len, -1, np.int32)
+    hist[:len(req.prompt_ids)] = req.prompt_ids
+    first = self.batch.admit(p, b, prm, req.seed, hist)
+    self._rows[b] = req
+    self._params[b] = prm
+    self._seeds_B[b] = req.seed
+    self._counters_B[b] = 1
+    self._history_BS[b] = hist
+    self._on_token(req, first)
+
+  def _decode(self) -> None:
+    active_B = np.array([r is not None for r in self._rows])
+    rows = sampling.RowSampling.from_rows(self._params)
+    full = needs_full_sampler([r.params for r in self._rows if r is not None])
+    next_B = self.batch.step(self._tokens_B, self._seeds_B, self._counters_B, rows,
+                             self._history_BS if full else None, active_B)
+    self.steps += 1
+    for b, req in enumerate(self._rows):
+      if req is not None:
+        self._counters_B[b] += 1
+        self._on_token(req, int(next_B[b]))
+
+  def _on_token(self, req: _Request, tok: int) -> None:
+    b = req.slot
+    req.new_ids.append(tok)
+    self._tokens_B[b] = tok
+    n = len(req.prompt_ids) + len(req.new_ids)
+    if n - 1 < self._history_BS.shape[1]:
+      self._history_BS[b, n - 1] = tok
+    status = req.checker.check(req.new_ids)
+    if status.stopped:
+      self._finish(req, status.text, "stop")
+    elif len(req.new_ids) >= req.params.max_tokens or n >= self.context_limit:
+      self._finish(req, status.text, "length")
+    else:
+      safe = _safe_prefix(status.text, req.params.stop)
+      self._emit(req, safe[req.sent_chars:], [tok], None)
+      req.sent_chars = max(req.sent_chars, len(safe))
+
+  def _finish(self, req: _Request, text: str, reason: str) -> None:
+    b = req.slot
+    pool_fraction = None
+    stats = self.batch.row_stats()
+    if "pool_total_B" in stats and stats["pool_total_B"][b] > 0:
+      pool_fraction = float(stats["cand_total_B"][b] / stats["pool_total_B"][b])
+    self._rows[b] = None
+    self._params[b] = RequestParams()
+    self._history_BS[b] = -1
+    self.batch.free(b)
+    last = req.new_ids[-1:] if reason != "cancelled" else []
+    self._emit(req, text[req.sent_chars:], last, reason, pool_fraction)
+
+  def _emit(self, req: _Request, text: str, ids: list[int], reason: str | None,
+            pool_fraction: float | None = None) -> None:
+    if reason is not None:
+      self.finished[reason] += 1
+    try:
+      req.on_output(Output(req.id, text, ids, reason, len(req.prompt_ids), len(req.new_ids),
+                           pool_fraction))
+    except Exception:  # a broken consumer must not stop the other requests
+      log.exception("output callback failed for %s", req.id)
+
+  def _fail_all(self, message: str) -> None:
+    reqs = [r for r in self._rows if r is not None]
+    if self._prefill is not None:
+      reqs.append(self._prefill[0])
+      self._prefill = None
+    for req in reqs:
+      if req.slot >= 0 and self._rows[req.slot] is req:
+        self._rows[req.slot] = None
+        self._params[req.slot] = RequestParams()
+      try:
+        req.on_output(Output(req.id, "", [], "error", len(req.prompt_ids), len(req.new_ids),
+                             error=message))
+      except Exception:
+        log.exception("output callback failed for %s", req.id)
+
+
+def _safe_prefix(text: str, stops: Sequence[str]) -> str:
+  """`text` without a trailing incomplete character or a trailing partial stop string."""
+  text = text.rstrip("\ufffd")
+  hold = 0
+  for s in stops:
+    for k in range(min(len(s) - 1, len(text)), hold, -1):
+      if text.endswith(s[:k]):
+        hold = k
+        break
+  return text[:len(text) - hold]
