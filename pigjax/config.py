@@ -98,10 +98,10 @@ class Config:
   dtype: str = "float32"  # activations and weights: "float32" | "bfloat16"
   # Weights of the decode step's matmuls: "dense" (XLA matmuls on `dtype` weights), "q8_0" |
   # "q4_0" | "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's
-  # own blocks as stored; Q8_0 for tensors in other formats) or "auto" ("gguf" for a GGUF
-  # checkpoint, "dense" otherwise). Prefill always uses the dense weights. The default stays
-  # "dense" until the quantized path is measured faster on a quiet machine (BENCHMARKS.md).
-  weights: str = "dense"
+  # own blocks as stored; Q8_0 for tensors in other formats) or "auto" (the default: "gguf" for
+  # a GGUF checkpoint decoding on the CPU, "dense" otherwise; measured 1.3x faster than dense on
+  # the embedded model, BENCHMARKS.md). Prefill always uses the dense (dequantized) weights.
+  weights: str = "auto"
   # Activation precision of the quantized kernel: 16 (a code and a remainder byte per value: the
   # decode step computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one
   # byte, llama.cpp's rounding: no faster in this kernel, errors of about 1%).

@@ -82,11 +82,21 @@ def load_model_and_tokenizer(spec: str, progress: bool = True,
   return model_cfg, tensors, tokenizer, {}
 
 
+def _decode_runs_on_cpu(cfg: Config) -> bool:
+  """Whether the decode step will run on the CPU: jax's default, or MagicPIG (placed there)."""
+  import jax
+  return jax.default_backend() == "cpu" or cfg.attention.kind == "magicpig"
+
+
 def resolve_weights(cfg: Config) -> str:
   """The decode-step weight format `cfg.weights` stands for: "auto" is a GGUF checkpoint's own
-  blocks ("gguf") and dense weights for any other checkpoint."""
+  blocks ("gguf") when the decode step runs on the CPU (the quantized kernel is a CPU FFI
+  handler) and dense weights otherwise (another checkpoint, or an accelerator)."""
   if cfg.weights == "auto":
-    return "gguf" if _is_gguf(cfg.checkpoint) else "dense"
+    return "gguf" if _is_gguf(cfg.checkpoint) and _decode_runs_on_cpu(cfg) else "dense"
+  if cfg.weights != "dense" and not _decode_runs_on_cpu(cfg):
+    raise ValueError(f"weights={cfg.weights!r} runs the decode matmuls in a CPU kernel, but jax's "
+                     "default device is not the CPU; use --config.weights=dense (or auto) there.")
   if cfg.weights == "gguf" and not _is_gguf(cfg.checkpoint):
     raise ValueError(f"weights='gguf' needs a GGUF checkpoint; {cfg.checkpoint!r} is not one. Use "
                      f"'q8_0', 'q4_0', 'q4_1' or 'dense'.")

@@ -3,7 +3,7 @@ r"""Time to first token: pigjax's prefill vs llama.cpp's, same GGUF, same prompt
 For each prompt length, every engine prefills the same real-text token ids (GPL-3 and the other
 license texts of /usr/share/common-licenses, concatenated) and produces the first token; the
 engines alternate round by round and the medians are compared. pigjax's time is
-`GenerationStats.prefill_s` (after compilation, which a warm-up round pays); MagicPIG's includes
+`GenerationStats.prefill_s` (compilation excluded); MagicPIG's includes
 building the host store (`after_prefill`). llama.cpp's is `Llama.eval` of the prompt
 (llama-cpp-python, the `bench` extra), which ends with the last position's logits.
 
@@ -28,6 +28,8 @@ _WEIGHTS = flags.DEFINE_string("weights", "gguf", "pigjax Config.weights (decode
                                "prefill runs on the dequantized float32 weights either way).")
 _THREADS = flags.DEFINE_integer("threads", 0, "llama.cpp threads (0: every core).")
 _LLAMACPP = flags.DEFINE_bool("llamacpp", True, "Also time llama.cpp (needs llama-cpp-python).")
+_WARMUP = flags.DEFINE_bool("warmup", True, "One untimed round per length first (llama.cpp's "
+                             "graph set-up; pigjax excludes compilation from prefill_s itself).")
 _OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
 
 
@@ -70,8 +72,9 @@ def main(argv):
     runs = {name: pigjax_ttft(pipe, prompt) for name, pipe in engines.items()}
     if peer is not None:
       runs["llama.cpp"] = lambda: peer.fill(prompt)
-    for run in runs.values():  # warm-up: pigjax compiles its programs for n, llama.cpp its graph
-      run()
+    if _WARMUP.value:  # pigjax's compile time is excluded from prefill_s anyway
+      for run in runs.values():
+        run()
     times = {name: [] for name in runs}
     for _ in range(_ROUNDS.value):
       for name, run in runs.items():

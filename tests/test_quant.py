@@ -205,6 +205,23 @@ def test_config_weights_validated_before_loading():
     Pipeline.load(Config(checkpoint="/nonexistent/dir", weights="gguf"), progress=False)
 
 
+def test_auto_weights_are_the_gguf_blocks_on_the_cpu_and_dense_elsewhere(monkeypatch, tmp_path):
+  """The default ("auto") decodes a GGUF on its own blocks when the step runs on the CPU; on an
+  accelerator (simulated) it keeps dense weights, unless MagicPIG moves the step to the CPU, and
+  an explicit quantized format there is a one-line error."""
+  from pigjax import pipeline
+  from pigjax.config import AttentionConfig
+  assert Config().weights == "auto"
+  assert pipeline.resolve_weights(Config(checkpoint="smollm2")) == "gguf"
+  assert pipeline.resolve_weights(Config(checkpoint=str(tmp_path))) == "dense"  # not a GGUF
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert pipeline.resolve_weights(Config(checkpoint="smollm2")) == "dense"
+  assert pipeline.resolve_weights(Config(checkpoint="smollm2",
+                                         attention=AttentionConfig(kind="magicpig"))) == "gguf"
+  with pytest.raises(ValueError, match="default device is not the CPU"):
+    pipeline.resolve_weights(Config(checkpoint="smollm2", weights="q8_0"))
+
+
 # ---------------------------------------------------- the embedded model against shared/reference
 
 REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
