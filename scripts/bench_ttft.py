@@ -53,7 +53,13 @@ def main(argv):
     cfg = Config(checkpoint="smollm2", weights=_WEIGHTS.value, max_seq_len=max_len,
                  attention=AttentionConfig(kind=kind))
     engines[f"pigjax {kind}"] = Pipeline.load(cfg, progress=False)
-  tok = next(iter(engines.values())).tokenizer
+  first_pipe = next(iter(engines.values()))
+  tok = first_pipe.tokenizer
+  # The prompt plus the first token must fit the model's positions (8192 for SmolLM2).
+  limit = first_pipe.cfg.model.max_position - 1
+  if lengths[-1] > limit:
+    print(f"Prompt lengths above {limit} are lowered to {limit} (the model's max_position - 1).")
+    lengths = sorted({min(n, limit) for n in lengths})
   ids = tok.encode(real_text())
   if len(ids) < lengths[-1]:
     raise SystemExit(f"Only {len(ids)} tokens of real text; lower --lengths.")
