@@ -133,14 +133,7 @@ class MagicPigBackend:
     k, v = jax.lax.optimization_barrier((_write_at(cache.k[layer], k_BTKD, x_new),
                                          _write_at(cache.v[layer], v_BTKD, x_new)))
     exact_pos_BX = cache.exact_pos_BX.at[:, x_new].set(cache.lengths_B)
-    o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k, v, (exact_pos_BX >= 0)[:, None])
-
-    q_BHD = q_BTHD[:, 0]
-    qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
-    o_pool_BHD, lse_pool_BH, count_BH = store_attend(
-        cache.handle, self.store_index[layer], jnp.arange(B, dtype=jnp.int32), q_BHD, qcodes_BHL,
-        cache.pool_len_B)
-    o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
+    o_BHD, count_BH = self._exact_and_pool(layer, q_BTHD, k, v, exact_pos_BX, cache)
     cache = dataclasses.replace(
         cache, k=attention.replace_at(cache.k, layer, k), v=attention.replace_at(cache.v, layer, v),
         exact_pos_BX=exact_pos_BX,
@@ -150,6 +143,20 @@ class MagicPigBackend:
     if layer == self.sparse_layers[-1]:
       cache = dataclasses.replace(cache, gen_count=cache.gen_count + 1)
     return o_BHD[:, None].astype(q_BTHD.dtype), cache
+
+  def _exact_and_pool(self, layer: int, q_BTHD, k_BKXD, v_BKXD, exact_pos_BX, cache):
+    """Exact attention over the buffer (sink, window, generated) merged with the store's
+    estimate over the pool; returns o [B, H, D] and the candidates counted per row and head."""
+    a = self.cfg.attention
+    o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKXD, v_BKXD,
+                                                      (exact_pos_BX >= 0)[:, None])
+    q_BHD = q_BTHD[:, 0]
+    qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
+    o_pool_BHD, lse_pool_BH, count_BH = store_attend(
+        cache.handle, self.store_index[layer], jnp.arange(q_BHD.shape[0], dtype=jnp.int32), q_BHD,
+        qcodes_BHL, cache.pool_len_B)
+    o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
+    return o_BHD, count_BH
 
   # -- jitted host-store maintenance --------------------------------------------------------
 

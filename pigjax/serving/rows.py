@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from pigjax import attention, lsh
 from pigjax.engine import DenseBackend
 from pigjax.magicpig import MagicPigBackend, MagicPigCache, _shift_generated
-from pigjax.store import store_attend, store_insert
+from pigjax.store import store_insert
 
 
 def _put_row(x_B, y_1, slot):
@@ -120,17 +120,12 @@ class RowMagicPigBackend(MagicPigBackend):
     a = self.cfg.attention
     B, _, H, _ = q_BTHD.shape
     x_new_B = a.sink + a.window + cache.gen_count
-    k = _write_rows(cache.k[layer], k_BTKD, x_new_B)
-    v = _write_rows(cache.v[layer], v_BTKD, x_new_B)
+    # Materialised once (see MagicPigBackend.decode_attend: XLA would copy each buffer per user).
+    k, v = jax.lax.optimization_barrier((_write_rows(cache.k[layer], k_BTKD, x_new_B),
+                                         _write_rows(cache.v[layer], v_BTKD, x_new_B)))
     exact_pos_BX = cache.exact_pos_BX.at[jnp.arange(B), x_new_B].set(cache.lengths_B,
                                                                       mode="drop")
-    o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k, v, (exact_pos_BX >= 0)[:, None])
-    q_BHD = q_BTHD[:, 0]
-    qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
-    o_pool_BHD, lse_pool_BH, count_BH = store_attend(
-        cache.handle, self.store_index[layer], jnp.arange(B, dtype=jnp.int32), q_BHD, qcodes_BHL,
-        cache.pool_len_B)
-    o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
+    o_BHD, count_BH = self._exact_and_pool(layer, q_BTHD, k, v, exact_pos_BX, cache)
     cache = dataclasses.replace(
         cache, k=attention.replace_at(cache.k, layer, k), v=attention.replace_at(cache.v, layer, v),
         exact_pos_BX=exact_pos_BX,
