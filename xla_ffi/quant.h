@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "xla_ffi/kernels.h"  // the attend kernel's AVX2 horizontal sum and max
+
 namespace pigjax::quant {
 
 constexpr int kBlock = 32;
@@ -176,13 +178,6 @@ namespace avx2 {
 
 #define PIGJAX_QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-PIGJAX_QUANT_AVX2 inline float HSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 PIGJAX_QUANT_AVX2 inline int HSum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -214,11 +209,8 @@ PIGJAX_QUANT_AVX2 inline void QuantizeRow(const float* x, int64_t k, bool low, A
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
       sum = _mm256_add_ps(sum, v[i]);
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    float amax_s = _mm_cvtss_f32(m4);
-    const float s = HSum(sum);
+    float amax_s = ::pigjax::avx2::HMax(amax);
+    const float s = ::pigjax::avx2::HSum(sum);
     if (std::isnan(s)) amax_s = s;  // max_ps drops NaNs; keep them visible (see scalar)
     const float d = amax_s / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     const __m256 idv = _mm256_set1_ps(id), k256 = _mm256_set1_ps(256.f);
