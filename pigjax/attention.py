@@ -167,14 +167,23 @@ def causal_attend_blocked(q_BTHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Arra
   return jnp.transpose(out_BKGTD, (0, 3, 1, 2, 4)).reshape(B, T, H, D)
 
 
-def dense_attend(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache):
+def dense_attend(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache, host: bool = False):
   """The dense backend: write this call's keys/values, attend causally over the slot's filled
-  prefix (blocked: the padded tail of the cache is never read)."""
+  prefix (blocked: the padded tail of the cache is never read).
+
+  With `host`, a decode call (one token per row) attends in the C++ kernel of
+  `pigjax.host_attention` (CPU only); prefill chunks always take the jnp path.
+  """
   k = write_kv(cache.k[layer], k_BTKD, cache.lengths_B)
   v = write_kv(cache.v[layer], v_BTKD, cache.lengths_B)
   T = q_BTHD.shape[1]
-  positions_BT = cache.lengths_B[:, None] + jnp.arange(T)[None, :]
-  out_BTHD = causal_attend_blocked(q_BTHD, k, v, positions_BT)
+  if host and T == 1:
+    from pigjax import host_attention  # the extension: only where the host kernel is asked for
+    o_BHD, _ = host_attention.decode_attend(q_BTHD[:, 0], k, v, cache.lengths_B + 1)
+    out_BTHD = o_BHD[:, None].astype(q_BTHD.dtype)
+  else:
+    positions_BT = cache.lengths_B[:, None] + jnp.arange(T)[None, :]
+    out_BTHD = causal_attend_blocked(q_BTHD, k, v, positions_BT)
   cache = dataclasses.replace(cache, k=replace_at(cache.k, layer, k), v=replace_at(cache.v, layer, v))
   return out_BTHD, cache
 

@@ -22,6 +22,7 @@ ATTENTION_KINDS = ("dense", "magicpig")
 # (pigjax/estimators.py, issue 12), pure-jnp reference only for now.
 ESTIMATORS = ("magicpig", "proxy")
 PROXY_TAILS = ("mean", "none")
+DECODE_KERNELS = ("auto", "host", "xla")
 STORE_DTYPES = ("bfloat16", "float32", "int8")  # host K/V storage of the MagicPIG pool
 MAX_THREADS = 256  # the host store's limit on attention.threads (kMaxThreads in xla_ffi/store.h)
 MAX_NUM_BITS = 16  # codes of more bits make tables of 2^num_bits buckets per (layer, head)
@@ -68,6 +69,9 @@ class AttentionConfig:
   proxy_bits: int = 4  # proxy: bits per channel of the quantized centred keys (index)
   proxy_fraction: float = 0.03  # proxy: fraction of the pool read exactly (top by proxy score)
   proxy_tail: str = "mean"  # proxy: one of PROXY_TAILS (estimate the unread keys, or drop them)
+  # decode attention over the dense cache: "host" (C++ kernel), "xla" (jnp) or "auto" (host
+  # whenever the decode step runs on the CPU); see pigjax/host_attention.py
+  decode_kernel: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,8 @@ def validate_attention(a: AttentionConfig, num_layers: int | None = None) -> Non
        f"attention.proxy_fraction must be in (0, 1], got {a.proxy_fraction}."),
       (a.proxy_tail in PROXY_TAILS,
        f"attention.proxy_tail must be one of {PROXY_TAILS}, got {a.proxy_tail!r}."),
+      (a.decode_kernel in DECODE_KERNELS,
+       f"attention.decode_kernel must be one of {DECODE_KERNELS}, got {a.decode_kernel!r}."),
       (a.store_dtype in STORE_DTYPES,
        f"attention.store_dtype must be one of {STORE_DTYPES}, got {a.store_dtype!r}."),
       (1 <= a.num_bits <= MAX_NUM_BITS,

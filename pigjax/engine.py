@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pigjax import attention, sampling
+from pigjax import attention, host_attention, sampling
 from pigjax.config import Config, SamplingConfig
 from pigjax.model import Llama
 
@@ -250,6 +250,8 @@ class DenseBackend:
 
   def __init__(self, cfg: Config):
     self.cfg = cfg
+    self.decode_attend = functools.partial(attention.dense_attend,
+                                           host=host_attention.use_host_kernel(cfg.attention))
 
   def create_cache(self, batch: int, max_len: int, dtype) -> attention.DenseCache:
     m = self.cfg.model
@@ -257,7 +259,6 @@ class DenseBackend:
                                        dtype)
 
   prefill_attend = staticmethod(attention.dense_attend)
-  decode_attend = staticmethod(attention.dense_attend)
 
   def after_prefill(self, cache, lengths_B):
     return cache

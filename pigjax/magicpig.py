@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, lsh, placement
+from pigjax import attention, host_attention, lsh, placement
 from pigjax.config import Config, validate_attention
 from pigjax.store import HostKVStore, store_attend, store_insert
 
@@ -60,6 +60,7 @@ class MagicPigBackend:
           "pigjax.eval.policies).")
     placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
+    self.host_decode = host_attention.use_host_kernel(a)  # dense layers' decode attention
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
     self.store: HostKVStore | None = None
@@ -123,7 +124,8 @@ class MagicPigBackend:
 
   def decode_attend(self, layer: int, q_BTHD, k_BTKD, v_BTKD, cache: MagicPigCache):
     if layer not in self.store_index:
-      return attention.dense_attend(layer, q_BTHD, k_BTKD, v_BTKD, cache)
+      return attention.dense_attend(layer, q_BTHD, k_BTKD, v_BTKD, cache,
+                                    host=self.host_decode)
     a = self.cfg.attention
     B, _, H, D = q_BTHD.shape
     x_new = a.sink + a.window + cache.gen_count

@@ -16,6 +16,7 @@
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/decode_attention_ffi.h"
 #include "xla_ffi/quant_ffi.h"
 #include "xla_ffi/store.h"
 
@@ -293,6 +294,7 @@ NB_MODULE(_pigjax_ffi, m) {
     d["pigjax_insert"] = EncapsulateFfiHandler(StoreInsert);
     d["pigjax_attend"] = EncapsulateFfiHandler(StoreAttend);
     pigjax::AddQuantRegistrations(d);
+    pigjax::AddDecodeAttentionRegistrations(d);
     return d;
   });
   pigjax::DefineQuantFunctions(m);

@@ -22,18 +22,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 using pigjax::Str;
+using pigjax::ComputePool;
 namespace quant = pigjax::quant;
-
-// One pool for every matmul in the process, sized to the hardware (PIGJAX_MATMUL_THREADS
-// overrides). XLA runs a program's thunks one after another, so calls never overlap.
-pigjax::ThreadPool& MatMulPool() {
-  static pigjax::ThreadPool pool([] {
-    const char* env = std::getenv("PIGJAX_MATMUL_THREADS");
-    const int n = env ? std::atoi(env) : 0;
-    return pigjax::ResolveThreads(n > 0 ? std::min(n, 256) : 0);
-  }());
-  return pool;
-}
 
 // Below this many block products a call runs on the calling thread: waking a worker costs more.
 constexpr int64_t kMinParallelBlocks = 8192;
@@ -92,7 +82,7 @@ ffi::Error QMatMulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, int32_t format, int32
   float* yp = static_cast<float*>(y->untyped_data());
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
   const quant::ActBlock* xqp = xq.data();
-  MatMulPool().ParallelFor(
+  ComputePool().ParallelFor(
       tasks,
       [&](int64_t t, int) {
         const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
@@ -114,13 +104,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatMul, QMatMulImpl,
 
 namespace pigjax {
 
+ThreadPool& ComputePool() {
+  static ThreadPool pool([] {
+    const char* env = std::getenv("PIGJAX_MATMUL_THREADS");
+    const int n = env ? std::atoi(env) : 0;
+    return ResolveThreads(n > 0 ? std::min(n, 256) : 0);
+  }());
+  return pool;
+}
+
 void AddQuantRegistrations(nb::dict& registrations) {
   registrations["pigjax_quant_matmul"] = nb::capsule(reinterpret_cast<void*>(QuantMatMul));
 }
 
 void DefineQuantFunctions(nb::module_& m) {
   m.def("quant_isa", [] { return std::string(quant::GetQuantOps().isa); });
-  m.def("quant_num_threads", [] { return MatMulPool().size(); });
+  m.def("quant_num_threads", [] { return ComputePool().size(); });
 }
 
 }  // namespace pigjax

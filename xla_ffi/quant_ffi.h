@@ -4,8 +4,14 @@
 #define PIGJAX_XLA_FFI_QUANT_FFI_H_
 
 #include "nanobind/nanobind.h"
+#include "xla_ffi/thread_pool.h"
 
 namespace pigjax {
+
+// The pool of the stateless compute handlers (quantized matmul, dense decode attention), sized to
+// the hardware (PIGJAX_MATMUL_THREADS overrides). XLA runs a program's thunks one after another,
+// so their calls never overlap. The host stores keep pools of their own.
+ThreadPool& ComputePool();
 
 // Adds the "pigjax_quant_matmul" FFI capsule to `registrations`.
 void AddQuantRegistrations(nanobind::dict& registrations);

@@ -116,7 +116,8 @@ class RowMagicPigBackend(MagicPigBackend):
   def decode_attend(self, layer: int, q_BTHD, k_BTKD, v_BTKD, cache: MagicPigCache):
     """`MagicPigBackend.decode_attend` with each row writing at its own buffer index."""
     if layer not in self.store_index:
-      return attention.dense_attend(layer, q_BTHD, k_BTKD, v_BTKD, cache)
+      return attention.dense_attend(layer, q_BTHD, k_BTKD, v_BTKD, cache,
+                                    host=self.host_decode)
     a = self.cfg.attention
     B, _, H, _ = q_BTHD.shape
     x_new_B = a.sink + a.window + cache.gen_count

@@ -1,0 +1,48 @@
+"""Dense decode attention in a host (CPU) kernel: the `pigjax_decode_attend` FFI handler.
+
+A decode step's query against the dense cache is, in XLA:CPU, a chain of small ops per key block
+(dynamic slice, matrix-vector dot on the intra-op pool, masked softmax, another dot); at 4k tokens
+on SmolLM2 that chain was over half of the decode step's CPU time while the bytes it reads take
+a few milliseconds. The handler (xla_ffi/decode_attention.h) reads each filled K and V row once
+for all query heads of its KV head, in row chunks split over the compute thread pool, and merges
+the chunks by log-sum-exp. `attention.decode_kernel` selects it ("auto": whenever the decode step
+runs on the CPU).
+
+Shape key: B batch   H query heads   K kv heads   S cache positions   D head dim
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
+from pigjax.config import DECODE_KERNELS, AttentionConfig
+
+
+def use_host_kernel(a: AttentionConfig) -> bool:
+  """Whether decode steps attend over the dense cache with the host kernel.
+
+  "auto" picks it when the decode step runs on the CPU: jax's default device is the CPU, or the
+  attention is MagicPIG (whose step `pigjax.placement` puts on the CPU).
+  """
+  if a.decode_kernel not in DECODE_KERNELS:
+    raise ValueError(f"attention.decode_kernel must be one of {DECODE_KERNELS}, got "
+                     f"{a.decode_kernel!r}.")
+  if a.decode_kernel == "auto":
+    return jax.default_backend() == "cpu" or a.kind == "magicpig"
+  return a.decode_kernel == "host"
+
+
+def decode_attend(q_BHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array,
+                  lengths_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Softmax attention of one query per row over cache rows [0, lengths_B[b]).
+
+  Returns o_BHD (float32; 0 for an empty row) and lse_BH (float32 log-sum-exp of the scaled
+  scores; -inf for an empty row), like `attention.attend_with_lse`. K and V may be float32 or
+  bfloat16; lengths are clamped to [0, S].
+  """
+  B, H, D = q_BHD.shape
+  out = (jax.ShapeDtypeStruct((B, H, D), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
+  return jax.ffi.ffi_call("pigjax_decode_attend", out)(
+      q_BHD.astype(jnp.float32), k_BKSD, v_BKSD, lengths_B.astype(jnp.int32))
