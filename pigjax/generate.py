@@ -40,7 +40,8 @@ _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0 for a multi-process run "
     f"(jax.distributed); default ${multihost.ENV_COORDINATOR}.")
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, f"Processes in a multi-process run; default ${multihost.ENV_NUM_PROCESSES}.")
+    "num_processes", None,
+    f"Processes in a multi-process run; default ${multihost.ENV_NUM_PROCESSES}.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, f"This process's id in [0, num_processes); default "
     f"${multihost.ENV_PROCESS_ID}.")

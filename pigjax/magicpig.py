@@ -7,7 +7,8 @@ with the FFI `insert`, and keeps only the exact tokens on the device. Each decod
 query, calls the FFI `attend` per sparse layer, runs exact attention over the exact buffer and
 merges the two by log-sum-exp, all inside the one jitted step. When the generated-token buffer
 fills, its older half is hashed (with the pool's mean key) and appended to the pool, so device
-memory and step time stay bounded in long generations.
+memory and step time stay bounded in long generations. On a device mesh (`pigjax.sharding`) each
+device inserts and attends inside `shard_map`, on a host store of its own rows and KV heads.
 
 Shape key:
   B batch   T tokens in this call   S dense cache positions   X exact-buffer entries

@@ -25,13 +25,12 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def make_backend(cfg: Config):
   validate_attention(cfg.attention)  # MagicPigBackend also bounds dense_layers by the model
-  if cfg.attention.estimator != "magicpig" and cfg.attention.kind == "magicpig":
-    if sharding.mesh_requested(cfg.mesh):
-      raise ValueError(f"attention.estimator={cfg.attention.estimator!r} runs a single-device "
-                       "reference; under a mesh use estimator='magicpig' or attention.kind='dense'.")
   if cfg.attention.kind == "magicpig" and cfg.attention.estimator != "magicpig":
     # Estimators without a host kernel yet (issue 12) run their pure-jnp reference on a
     # device-resident pool: the same answers as the quality harness, at O(pool) per step.
+    if sharding.mesh_requested(cfg.mesh):
+      raise ValueError(f"attention.estimator={cfg.attention.estimator!r} runs a one-device "
+                       "reference; on a mesh use estimator='magicpig' or attention.kind='dense'.")
     from pigjax.eval.policies import PoolPolicyBackend
     return PoolPolicyBackend(cfg, "magicpig")
   if cfg.attention.kind == "magicpig":
