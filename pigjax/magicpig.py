@@ -7,7 +7,8 @@ with the FFI `insert`, and keeps only the exact tokens on the device. Each decod
 query, calls the FFI `attend` per sparse layer, runs exact attention over the exact buffer and
 merges the two by log-sum-exp, all inside the one jitted step. When the generated-token buffer
 fills, its older half is hashed (with the pool's mean key) and appended to the pool, so device
-memory and step time stay bounded in long generations.
+memory and step time stay bounded in long generations. On a device mesh (`pigjax.sharding`) each
+device inserts and attends inside `shard_map`, on a host store of its own rows and KV heads.
 
 Shape key:
   B batch   T tokens in this call   S dense cache positions   X exact-buffer entries
@@ -27,7 +28,8 @@ import numpy as np
 
 from pigjax import attention, host_attention, lsh, placement
 from pigjax.config import Config, validate_attention
-from pigjax.store import HostKVStore, store_attend, store_insert
+from pigjax.sharding import Sharding
+from pigjax.store import HostKVStore, store_insert
 
 
 @jax.tree_util.register_dataclass
@@ -60,35 +62,65 @@ class MagicPigBackend:
           "pigjax.eval.policies).")
     placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
-    self.host_decode = host_attention.use_host_kernel(a)  # dense layers' decode attention
+    self.host_decode = host_attention.use_host_kernel(cfg)  # dense layers' decode attention
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
-    self.store: HostKVStore | None = None
+    self.sharding = Sharding.create(cfg.mesh, m)
+    # Host stores by (data, model) mesh coordinate: one, at (0, 0), without a mesh.
+    self.stores: dict[tuple[int, int], HostKVStore] = {}
     self._jitted: dict[Any, Any] = {}
     self.compile_s = 0.0  # ahead-of-time compilation of the store-maintenance programs
 
   # -- cache lifecycle ----------------------------------------------------------------------
 
   def create_cache(self, batch: int, max_len: int, dtype) -> attention.DenseCache:
-    """Prefill runs densely; the store is (re)sized here for this batch and length."""
+    """Prefill runs densely; the store is (re)sized here for this batch and length.
+
+    Under a mesh every device of this process gets its own store for its slots and KV heads.
+    """
     m = self.cfg.model
-    a = self.cfg.attention
     if self.sparse_layers:
-      s = self.store
-      if s is None or s.num_slots < batch or s.capacity < max_len:
-        if s is not None:
-          s.close()
-        self.store = HostKVStore(
-            num_layers=len(self.sparse_layers), num_slots=batch, num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=max_len,
-            dtype=a.store_dtype, threads=a.threads)
-      for slot in range(batch):
-        self.store.reset(slot)
+      sh = self.sharding
+      if batch % sh.data:
+        raise ValueError(f"A batch of {batch} rows does not split over mesh.data={sh.data} "
+                         f"devices; give a multiple of {sh.data} prompts.")
+      coords = sh.local_coords() if sh.active else [(0, 0)]
+      for coord in coords:
+        s = self.stores.get(coord)
+        if s is None or s.num_slots < batch // sh.data or s.capacity < max_len:
+          if s is not None:
+            s.close()
+          self.stores[coord] = self._new_store(batch // sh.data, m.num_kv_heads // sh.model,
+                                               max_len)
+        for slot in range(batch // sh.data):
+          self.stores[coord].reset(slot)
     return attention.DenseCache.create(m.num_layers, batch, m.num_kv_heads, max_len, m.head_dim,
                                        dtype)
 
+  def _new_store(self, slots: int, kv_heads: int, capacity: int) -> HostKVStore:
+    a, m = self.cfg.attention, self.cfg.model
+    return HostKVStore(
+        num_layers=len(self.sparse_layers), num_slots=slots, num_kv_heads=kv_heads,
+        head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=capacity,
+        dtype=a.store_dtype, threads=a.threads)
+
+  @property
+  def store(self) -> HostKVStore | None:
+    """The host store of a one-device run (each device's is in `stores` under a mesh)."""
+    return self.stores.get((0, 0))
+
+  @store.setter
+  def store(self, store: HostKVStore) -> None:
+    self.stores[(0, 0)] = store
+
+  def _handle(self) -> jax.Array:
+    """The store handle operand: a scalar, or [data, model] (one per device) under a mesh."""
+    if self.sharding.active and self.sparse_layers:
+      return self.sharding.handles({c: s.handle for c, s in self.stores.items()})
+    return jnp.int32(self.store.handle if self.store is not None else -1)
+
   def after_prefill(self, cache: attention.DenseCache, lengths_B: np.ndarray) -> MagicPigCache:
-    handle = jnp.int32(self.store.handle if self.store is not None else -1)
+    handle = self._handle()
     with warnings.catch_warnings():
       # Donation lets dense layers keep their caches in place; the sparse layers' full caches are
       # freed rather than reused, which jax reports as "not usable".
@@ -154,9 +186,8 @@ class MagicPigBackend:
                                                       (exact_pos_BX >= 0)[:, None])
     q_BHD = q_BTHD[:, 0]
     qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
-    o_pool_BHD, lse_pool_BH, count_BH = store_attend(
-        cache.handle, self.store_index[layer], jnp.arange(q_BHD.shape[0], dtype=jnp.int32), q_BHD,
-        qcodes_BHL, cache.pool_len_B)
+    o_pool_BHD, lse_pool_BH, count_BH = self.sharding.store_attend(
+        cache.handle, self.store_index[layer], q_BHD, qcodes_BHL, cache.pool_len_B)
     o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
     return o_BHD, count_BH
 
@@ -167,7 +198,10 @@ class MagicPigBackend:
     (row b into store slot slots_B[b]; by default slot b)."""
     a, m = self.cfg.attention, self.cfg.model
     B = dense.lengths_B.shape[0]
-    slots_B = jnp.arange(B, dtype=jnp.int32) if slots_B is None else slots_B
+    custom_slots = slots_B is not None
+    if custom_slots and self.sharding.active:
+      raise ValueError("Inserting rows into chosen store slots (serving) is not supported under "
+                       "a device mesh; use mesh.data = mesh.model = 1.")
     n_B = dense.lengths_B
     exact = a.sink + a.window
     # Exact-buffer entry j < sink + window holds prompt position pos[b, j].
@@ -209,14 +243,18 @@ class MagicPigBackend:
       valid_BKP = jnp.broadcast_to(pool_valid_BP[:, None], kp_BKPD.shape[:3])
       mu_BKD, codes_BKPL = lsh.centre_and_hash(kp_BKPD, valid_BKP, w_l, a.num_bits, a.num_tables)
       # Every insert feeds pool_len_B, which every later attend takes as its ordering operand.
-      out_len_B = jnp.maximum(out_len_B, store_insert(
-          handle, self.store_index[layer], slots_B, kp_BKPD, vp_BKPD, codes_BKPL, pool_len_B,
-          mu_BKD))
+      if custom_slots:
+        inserted_B = store_insert(handle, self.store_index[layer], slots_B, kp_BKPD, vp_BKPD,
+                                  codes_BKPL, pool_len_B, mu_BKD)
+      else:
+        inserted_B = self.sharding.store_insert(handle, self.store_index[layer], kp_BKPD,
+                                                vp_BKPD, codes_BKPL, pool_len_B, mu_BKD)
+      out_len_B = jnp.maximum(out_len_B, inserted_B)
       mu.append(mu_BKD), w.append(w_l)
-    return MagicPigCache(
+    return self.sharding.constrain_cache(MagicPigCache(
         k=tuple(k), v=tuple(v), lengths_B=n_B, exact_pos_BX=exact_pos_BX,
         gen_count=jnp.int32(0), mu=tuple(mu), w=tuple(w), pool_len_B=out_len_B,
-        handle=handle, cand_total=jnp.float32(0), pool_total=jnp.float32(0))
+        handle=handle, cand_total=jnp.float32(0), pool_total=jnp.float32(0)))
 
   def _evict(self, cache: MagicPigCache) -> MagicPigCache:
     """Hashes the oldest half of the generated buffer into the pool and shifts the rest down."""
@@ -231,15 +269,15 @@ class MagicPigBackend:
       old_v = v[layer][:, :, exact:exact + E]
       codes = lsh.hash_codes(old_k.astype(jnp.float32) - cache.mu[layer][:, :, None],
                              cache.w[layer], a.num_bits, a.num_tables)
-      out_len_B = jnp.maximum(out_len_B, store_insert(
-          cache.handle, idx, jnp.arange(B, dtype=jnp.int32), old_k, old_v, codes,
-          jnp.full((B,), E, jnp.int32), cache.mu[layer]))
+      out_len_B = jnp.maximum(out_len_B, self.sharding.store_insert(
+          cache.handle, idx, old_k, old_v, codes, jnp.full((B,), E, jnp.int32), cache.mu[layer]))
       k[layer] = _shift_generated(k[layer], exact, E, keep)
       v[layer] = _shift_generated(v[layer], exact, E, keep)
     pos = cache.exact_pos_BX
     pos = jnp.concatenate([pos[:, :exact], pos[:, exact + E:], jnp.full((B, E), -1, jnp.int32)], 1)
-    return dataclasses.replace(cache, k=tuple(k), v=tuple(v), exact_pos_BX=pos,
-                               gen_count=cache.gen_count - E, pool_len_B=out_len_B)
+    return self.sharding.constrain_cache(dataclasses.replace(
+        cache, k=tuple(k), v=tuple(v), exact_pos_BX=pos, gen_count=cache.gen_count - E,
+        pool_len_B=out_len_B))
 
 
 def _shift_generated(x_BKXD, exact: int, evicted: int, keep: int):

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
-from pigjax import placement, sampling, weights
+from pigjax import placement, sampling, sharding, weights
 from pigjax.config import AttentionConfig, Config, SamplingConfig, validate_attention
 from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
 from pigjax.model import WEIGHT_FORMATS, Llama, attach_quantized, from_hf_tensors
@@ -28,6 +28,9 @@ def make_backend(cfg: Config):
   if cfg.attention.kind == "magicpig" and cfg.attention.estimator != "magicpig":
     # Estimators without a host kernel yet (issue 12) run their pure-jnp reference on a
     # device-resident pool: the same answers as the quality harness, at O(pool) per step.
+    if sharding.mesh_requested(cfg.mesh):
+      raise ValueError(f"attention.estimator={cfg.attention.estimator!r} runs a one-device "
+                       "reference; on a mesh use estimator='magicpig' or attention.kind='dense'.")
     from pigjax.eval.policies import PoolPolicyBackend
     return PoolPolicyBackend(cfg, "magicpig")
   if cfg.attention.kind == "magicpig":
@@ -92,6 +95,14 @@ def resolve_weights(cfg: Config) -> str:
   """The decode-step weight format `cfg.weights` stands for: "auto" is a GGUF checkpoint's own
   blocks ("gguf") when the decode step runs on the CPU (the quantized kernel is a CPU FFI
   handler) and dense weights otherwise (another checkpoint, or an accelerator)."""
+  if sharding.mesh_requested(cfg.mesh):
+    # The quantized matmul is one FFI call with no partitioning rule: under a mesh its operands
+    # would be gathered onto every device. Sharded decode runs dense weights.
+    if cfg.weights not in ("auto", "dense"):
+      raise ValueError(f"weights={cfg.weights!r} is not supported on a device mesh (mesh.data x "
+                       f"mesh.model = {cfg.mesh.data} x {cfg.mesh.model}, or several processes); "
+                       "use --config.weights=dense (auto picks dense there).")
+    return "dense"
   if cfg.weights == "auto":
     return "gguf" if _is_gguf(cfg.checkpoint) and _decode_runs_on_cpu(cfg) else "dense"
   if cfg.weights != "dense" and not _decode_runs_on_cpu(cfg):
@@ -150,6 +161,7 @@ def validate(cfg: Config) -> None:
                      "sequence (prompt + generated tokens) and must be at least 2.")
   if cfg.prefill_chunk < 1:
     raise ValueError(f"prefill_chunk must be at least 1 token, got {cfg.prefill_chunk}.")
+  sharding.validate_mesh(cfg.mesh)
   s = cfg.sampling
   sampling.validate_sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty,
                              s.max_new_tokens)

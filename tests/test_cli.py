@@ -155,7 +155,7 @@ def test_cli_user_errors_are_one_line_and_checked_before_loading(tiny_dir, token
   ck = f"--config.checkpoint={tokenizer_only_dir}"
   line = _one_line_error(run_cli("--config=configs/tiny.py", ck, "--prompt=x", "--config.foo=1",
                                  check=False))
-  assert "Unknown config key 'foo'" in line and "max_seq_len, model, prefill_chunk" in line
+  assert "Unknown config key 'foo'" in line and "max_seq_len, mesh, model, prefill_chunk" in line
   # The weights here are unreadable: the prompt is checked before they are loaded.
   line = _one_line_error(run_cli("--config=configs/tiny.py", ck, "--prompt=", check=False))
   assert "Prompt 0 is empty" in line

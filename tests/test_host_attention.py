@@ -2,7 +2,6 @@
 against the jnp reference `attention.attend_with_lse`, its operand checks, and the engine's
 greedy output with it against the jnp decode path."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 from pigjax import _pigjax_ffi, attention, host_attention
-from pigjax.config import AttentionConfig, Config, ModelConfig, SamplingConfig
+from pigjax.config import AttentionConfig, Config, MeshConfig, ModelConfig, SamplingConfig
 from pigjax.engine import DenseBackend, Engine
 from pigjax.model import from_hf_tensors
 from tests.tiny_checkpoint import tiny_llama_tensors
@@ -96,15 +95,20 @@ def test_bad_operands_are_errors_that_name_them(args, message):
     jax.block_until_ready(_raw(**args))
 
 
-def test_auto_picks_the_host_kernel_on_the_cpu(monkeypatch):
-  dense = AttentionConfig(kind="dense")
-  assert host_attention.use_host_kernel(dense)  # the test machine's default backend is the CPU
-  assert not host_attention.use_host_kernel(dataclasses.replace(dense, decode_kernel="xla"))
+def test_auto_picks_the_host_kernel_on_one_cpu_device(monkeypatch):
+  def cfg(mesh=MeshConfig(), **attention):
+    return Config(attention=AttentionConfig(**attention), mesh=mesh)
+  use = host_attention.use_host_kernel
+  assert use(cfg(kind="dense"))  # the test machine's default backend is the CPU
+  assert not use(cfg(kind="dense", decode_kernel="xla"))
+  assert not use(cfg(kind="dense", mesh=MeshConfig(data=2)))  # no shard_map wrapper yet
+  with pytest.raises(ValueError, match="one device only"):
+    use(cfg(decode_kernel="host", mesh=MeshConfig(model=2)))
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert not host_attention.use_host_kernel(dense)
-  assert host_attention.use_host_kernel(dataclasses.replace(dense, kind="magicpig"))
+  assert not use(cfg(kind="dense"))
+  assert use(cfg(kind="magicpig"))
   with pytest.raises(ValueError, match="decode_kernel must be one of"):
-    host_attention.use_host_kernel(dataclasses.replace(dense, decode_kernel="cuda"))
+    use(cfg(decode_kernel="cuda"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

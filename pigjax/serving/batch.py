@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, sampling
+from pigjax import attention, sampling, sharding
 from pigjax.config import Config
 from pigjax.engine import Engine, _bucket
 from pigjax.model import Llama
@@ -64,6 +64,9 @@ class SlotBatch:
   def __init__(self, cfg: Config, model: Llama, slots: int, cache_len: int):
     if slots < 1:
       raise ValueError(f"serve.slots must be >= 1, got {slots}.")
+    if sharding.mesh_requested(cfg.mesh):
+      raise ValueError("Serving runs on one device in one process for now; leave mesh.data and "
+                       "mesh.model at 1 and start it without jax.distributed.")
     self.cfg = cfg
     self.slots = slots
     self.cache_len = cache_len
