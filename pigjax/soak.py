@@ -27,7 +27,9 @@ import numpy as np
 from pigjax.config import Config, SamplingConfig
 from pigjax.engine import Engine
 from pigjax.eval.policies import PoolPolicyBackend
+from pigjax.eval.runner import Runner
 from pigjax.magicpig import MagicPigBackend
+from pigjax.store import HostKVStore
 
 MB = 1024 * 1024
 
@@ -60,8 +62,9 @@ class Sample:
                        # excluded)
   rss_mb: float  # VmRSS
   hwm_mb: float  # VmHWM (peak so far)
-  store_mb: float  # host store's allocated bytes (HostKVStore.memory_bytes); 0 without a store
+  store_mb: float  # host store's reserved bytes (HostKVStore.memory_bytes): capacity, not RSS
   pool_tokens: int  # pool size of slot 0 (prompt pool + evicted generated tokens)
+  pool_mb: float  # what those pool tokens occupy in the store (K, V, norms, table ids)
   attended: float  # attended fraction of the pool over the interval
 
 
@@ -110,18 +113,31 @@ class RecordingBackend:
     cand, pool = float(cache.cand_total), float(cache.pool_total)
     self._cand, self._pool = self._cand + cand, self._pool + pool
     store = getattr(self.inner, "store", None)
+    pool_tokens = int(cache.pool_len_B[0])
     mem = read_memory()
     sample = Sample(
         step=step, tokens_per_s=steps / elapsed if steps and elapsed > 0 else float("nan"),
         rss_mb=mem["rss"] / MB, hwm_mb=mem["hwm"] / MB,
         store_mb=store.memory_bytes() / MB if store is not None else 0.0,
-        pool_tokens=int(cache.pool_len_B[0]), attended=cand / pool if pool else float("nan"))
+        pool_tokens=pool_tokens,
+        pool_mb=pool_tokens * pool_token_bytes(store) / MB if store is not None else 0.0,
+        attended=cand / pool if pool else float("nan"))
     self.samples.append(sample)
     if self.on_sample:
       self.on_sample(sample)
     self._t, self._compile, self._t_step = time.perf_counter(), self.inner.compile_s, step
     return dataclasses.replace(cache, cand_total=jnp.zeros_like(cache.cand_total),
                                pool_total=jnp.zeros_like(cache.pool_total))
+
+
+def pool_token_bytes(store: HostKVStore) -> int:
+  """Store bytes per pool token of one slot, over all its layers and KV heads, from the store's
+  own size formula (HostKVStore.estimate_bytes): how one more slot's cost grows per token of
+  capacity (differencing over slots leaves out the per-thread scratch)."""
+  geometry = {k: getattr(store, k) for k in ("num_layers", "num_kv_heads", "head_dim",
+                                             "num_bits", "num_tables", "dtype")}
+  est = lambda slots, cap: HostKVStore.estimate_bytes(num_slots=slots, capacity=cap, **geometry)
+  return (est(2, 2) - est(1, 2)) - (est(2, 1) - est(1, 1))
 
 
 def soak(cfg: Config, model, prompt_ids: Sequence[int], new_tokens: int, every: int,
@@ -166,7 +182,39 @@ def compare_with_reference(cfg: Config, model, prompt_ids: Sequence[int],
   ffi, ref = np.array(out["ffi"]["tokens"]), np.array(out["reference"]["tokens"])
   out["first_mismatch"] = _first_mismatch(ffi, ref)
   out["first_mismatch_vs_dense"] = _first_mismatch(ffi, np.array(out["dense"]["tokens"]))
+  out["teacher_forced"] = teacher_forced_agreement(cfg, model, prompt_ids, out["ffi"]["tokens"])
   return out
+
+
+def teacher_forced_agreement(cfg: Config, model, prompt_ids: Sequence[int],
+                             tokens: Sequence[int]) -> dict:
+  """Feeds the same tokens to the FFI backend and to the reference with the same evictions and
+  compares their next-token log-probabilities at every step. Greedy decoding turns any float
+  difference at a near-tie into a different continuation; this measures the difference itself.
+
+  Returns:
+    max_abs_logprob_diff over steps and vocabulary; top1_disagreements: steps whose argmax
+    differs, with the reference's top-1 minus top-2 log-probability margin there; both
+    backends' attended fractions over the same stream (equal when the candidate sets are).
+  """
+  runner = Runner(cfg, model, chunk=cfg.prefill_chunk)
+  n = len(prompt_ids) + len(tokens)
+  dense, _ = runner.prefill(np.asarray([prompt_ids], np.int32), -(-(n + 1) // 256) * 256)
+  feed = np.asarray([tokens[:-1]], np.int32)  # token t is fed; the step predicts token t + 1
+  lps, fractions = {}, {}
+  for name, backend in (("ffi", MagicPigBackend(cfg)),
+                        ("reference", PoolPolicyBackend(cfg, "magicpig", pool_generated=True))):
+    lp, cache = runner.teacher_force(backend, runner.start(backend, dense), feed)
+    lps[name], fractions[name] = lp[0], backend.stats(cache)["pool_fraction"]
+    if name == "ffi":
+      backend.store.close()
+  top_f, top_r = lps["ffi"].argmax(-1), lps["reference"].argmax(-1)
+  two = np.sort(lps["reference"], axis=-1)[:, -2:]
+  return {"steps": len(feed[0]),
+          "max_abs_logprob_diff": float(np.abs(lps["ffi"] - lps["reference"]).max()),
+          "top1_disagreements": [{"step": int(t), "reference_margin": float(two[t, 1] - two[t, 0])}
+                                 for t in np.flatnonzero(top_f != top_r)],
+          "pool_fraction": fractions}
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int | None:
@@ -176,11 +224,14 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int | None:
 
 def growth_after(samples: Sequence[Sample], warmup_step: int) -> dict:
   """Memory growth from the first sample at or after `warmup_step` to the last one, in MB:
-  VmRSS, VmHWM, the store's bytes, and VmRSS less the store (what must stay flat)."""
+  VmRSS, VmHWM (peak), the pool's data, the store's reserved capacity, and VmRSS beyond the pool
+  data's growth (what a leak would show in; freed heap from the prefill peak can absorb part of
+  the pool's growth, so it may be negative)."""
   later = [s for s in samples if s.step >= warmup_step]
   if len(later) < 2:
     raise ValueError(f"Need two samples at or after step {warmup_step}; have {len(later)}.")
   a, b = later[0], later[-1]
   return {"from_step": a.step, "to_step": b.step, "rss_mb": b.rss_mb - a.rss_mb,
-          "hwm_mb": b.hwm_mb - a.hwm_mb, "store_mb": b.store_mb - a.store_mb,
-          "rss_less_store_mb": (b.rss_mb - b.store_mb) - (a.rss_mb - a.store_mb)}
+          "hwm_mb": b.hwm_mb - a.hwm_mb, "pool_mb": b.pool_mb - a.pool_mb,
+          "store_mb": b.store_mb - a.store_mb,
+          "rss_beyond_pool_mb": (b.rss_mb - a.rss_mb) - (b.pool_mb - a.pool_mb)}

@@ -10,7 +10,11 @@ Runs (--runs, any of):
   check    SmolLM2, --check_tokens generated with generated_buffer=--check_buffer: the FFI
            backend against PoolPolicyBackend(pool_generated=True), and dense for contrast.
 
-  nice -n 19 python scripts/soak.py --runs=check,tiny,smollm2 --out benchmarks/soak.json
+One process per run keeps each run's memory readings its own:
+
+  python scripts/soak.py --runs=smollm2 --out benchmarks/soak_smollm2.json
+  python scripts/soak.py --runs=tiny --out benchmarks/soak_tiny.json
+  python scripts/soak.py --runs=check --out benchmarks/soak_check.json
 """
 
 import glob
@@ -44,6 +48,10 @@ _TINY_MAX = flags.DEFINE_integer("tiny_max_position", 32768, "max_position of th
 _TINY_NEW = flags.DEFINE_integer("tiny_new_tokens", 20000, "Tiny-model tokens generated.")
 _CHECK_NEW = flags.DEFINE_integer("check_tokens", 400, "Tokens compared with the reference.")
 _CHECK_BUF = flags.DEFINE_integer("check_buffer", 32, "generated_buffer of the reference check.")
+_TABLE = flags.DEFINE_integer("table_every", 1024, "The closing markdown table shows every Nth "
+                              "step's sample (and the last).")
+_TABLE_FROM = flags.DEFINE_string("table_from", None, "Only print the markdown tables of a JSON "
+                                   "file this script wrote, and stop.")
 _OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
 
 
@@ -71,8 +79,18 @@ def prompt_ids(pipe: Pipeline, text: str, n: int) -> list[int]:
 
 def print_sample(s: soak.Sample) -> None:
   print(f"  step {s.step:6d}  {s.tokens_per_s:7.1f} tok/s  rss {s.rss_mb:8.1f} MB  "
-        f"peak {s.hwm_mb:8.1f} MB  store {s.store_mb:7.1f} MB  pool {s.pool_tokens:6d}  "
+        f"peak {s.hwm_mb:8.1f} MB  pool {s.pool_tokens:6d} = {s.pool_mb:6.1f} MB  "
         f"attended {100 * s.attended:6.2f}%", flush=True)
+
+
+def print_table(samples: list[soak.Sample]) -> None:
+  """Markdown rows for BENCHMARKS.md."""
+  print("| step | pool tokens | pool MB | RSS MB | peak RSS MB | attended | tok/s |\n"
+        "|---|---|---|---|---|---|---|")
+  for s in samples:
+    if s.step % _TABLE.value == 0 or s is samples[-1]:
+      print(f"| {s.step} | {s.pool_tokens} | {s.pool_mb:.1f} | {s.rss_mb:.1f} | {s.hwm_mb:.1f} | "
+            f"{100 * s.attended:.2f}% | {s.tokens_per_s:.1f} |")
 
 
 def run_soak(name: str, pipe: Pipeline, prompt: list[int], new_tokens: int) -> dict:
@@ -84,6 +102,7 @@ def run_soak(name: str, pipe: Pipeline, prompt: list[int], new_tokens: int) -> d
                                     print_sample)
   growth = soak.growth_after(samples, min(_WARMUP.value, samples[-1].step // 2))
   print(f"{name}: growth after warm-up {growth}; {summary}", flush=True)
+  print_table(samples)
   return {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "wall_s":
           time.perf_counter() - t0, "attention": vars(cfg.attention) | {
               "dense_layers": list(cfg.attention.dense_layers)},
@@ -110,6 +129,13 @@ def tiny_pipe(directory: str) -> Pipeline:
 
 def main(argv):
   del argv
+  if _TABLE_FROM.value:
+    with open(_TABLE_FROM.value) as f:
+      for name, run in json.load(f)["runs"].items():
+        if "samples" in run:
+          print(f"{name}: growth after warm-up {run['growth_after_warmup']}")
+          print_table([soak.Sample(**x) for x in run["samples"]])
+    return
   text = read_text(_TEXT.value)
   result = {"command": " ".join(sys.argv), "machine": f"{platform.machine()}, "
             f"{os.cpu_count()} cores", "runs": {}}
@@ -127,6 +153,10 @@ def main(argv):
             f"{out['first_mismatch_vs_dense']}; attended ffi {out['ffi']['pool_fraction']:.4f} "
             f"reference {out['reference']['pool_fraction']:.4f}; evictions {out['evictions']}",
             flush=True)
+      tf = out["teacher_forced"]
+      print(f"check, teacher-forced on the FFI's tokens ({tf['steps']} steps): max |logprob "
+            f"diff| {tf['max_abs_logprob_diff']:.2e}, top-1 disagreements "
+            f"{tf['top1_disagreements']}, attended {tf['pool_fraction']}", flush=True)
       result["runs"]["check"] = out
     elif run == "smollm2":
       result["runs"]["smollm2"] = run_soak("smollm2", pipe, prompt_ids(pipe, text, _PROMPT.value),

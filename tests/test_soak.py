@@ -44,6 +44,10 @@ def test_recorded_run_samples_every_n_steps(tiny):
   pool0 = 100 - 4 - 16
   assert [s.pool_tokens for s in samples] == [pool0, pool0, pool0 + 4, pool0 + 8, pool0 + 16]
   assert all(0 < s.attended <= 1 for s in samples[1:]) and all(s.store_mb > 0 for s in samples)
+  # Per pool token, 1 sparse layer x 2 KV heads x (16-byte row header + bf16 K and V of 16
+  # dims + a 4-byte id in each of 16 tables).
+  per_token = 1 * 2 * (16 + 2 * 16 * 2 + 4 * 16)
+  assert [s.pool_mb for s in samples] == [s.pool_tokens * per_token / soak.MB for s in samples]
   # Recording changes neither the tokens nor the run's attended fraction.
   plain = Engine(tiny.cfg, tiny.model, MagicPigBackend(tiny.cfg))
   want, _, stats = plain.generate([prompt], SamplingConfig(max_new_tokens=21))
@@ -53,9 +57,14 @@ def test_recorded_run_samples_every_n_steps(tiny):
   assert growth["from_step"] == 10 and growth["to_step"] == 20
 
 
+@pytest.mark.slow  # five decodes; tests/test_eval.py checks the same reference quickly
 def test_compare_with_reference_over_evictions(tiny):
   prompt = list(np.random.default_rng(1).integers(3, 250, 120))
   out = soak.compare_with_reference(tiny.cfg, tiny.model, prompt, 30)
   assert out["evictions"] == 6  # 29 steps: after steps 8, 12, ..., 28
   assert out["first_mismatch"] is None
   assert out["ffi"]["pool_fraction"] == pytest.approx(out["reference"]["pool_fraction"], rel=1e-6)
+  tf = out["teacher_forced"]
+  assert tf["steps"] == 29 and tf["top1_disagreements"] == []
+  assert tf["max_abs_logprob_diff"] < 2e-4
+  assert tf["pool_fraction"]["ffi"] == pytest.approx(tf["pool_fraction"]["reference"], rel=1e-6)
