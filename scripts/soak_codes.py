@@ -5,7 +5,7 @@ the largest difference of the two pool means and the number of table codes that 
 
   python scripts/soak_codes.py [TEXT_DIR]   # SmolLM2, the same 1024-token prompt as scripts/soak.py
 """
-import json, numpy as np, jax, jax.numpy as jnp, sys
+import numpy as np, jax, jax.numpy as jnp, sys
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 from pigjax import lsh
 from pigjax.config import AttentionConfig, Config
