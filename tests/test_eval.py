@@ -131,6 +131,26 @@ def test_magicpig_reference_agrees_with_ffi(tiny, prefilled):
   assert 0 < f_ref < 1 and f_ref == pytest.approx(f_ffi, rel=1e-6)
 
 
+def test_reference_pools_generated_tokens_like_ffi(tiny, prefilled):
+  """pool_generated: with a 4-token generated buffer the 6 fed tokens cause two evictions of 2
+  tokens; the reference then agrees with the FFI backend (outputs, candidates, pool sizes)."""
+  runner, dense, feed, _ = prefilled
+  cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(
+      tiny.cfg.attention, kind="magicpig", generated_buffer=4))
+  ref_be = policies.PoolPolicyBackend(cfg, "magicpig", pool_generated=True)
+  ffi_be = MagicPigBackend(cfg)
+  ref, ref_cache = _run(runner, ref_be, dense, feed)
+  ffi, ffi_cache = _run(runner, ffi_be, dense, feed)
+  prompt_pool = 150 - SINK - WINDOW
+  assert int(ref_cache.gen_pooled) == 4 and int(ref_cache.gen_count) == 2
+  np.testing.assert_array_equal(ffi_cache.pool_len_B, prompt_pool + 4)
+  np.testing.assert_allclose(ffi, ref, atol=2e-4)
+  f_ref, f_ffi = ref_be.stats(ref_cache)["pool_fraction"], ffi_be.stats(ffi_cache)["pool_fraction"]
+  assert 0 < f_ref < 1 and f_ref == pytest.approx(f_ffi, rel=1e-6)
+  with pytest.raises(ValueError, match="pool_generated"):
+    policies.PoolPolicyBackend(cfg, "quest", n_pages=2, pool_generated=True)
+
+
 def test_probe_mode_keeps_dense_activations(tiny, prefilled):
   runner, dense, feed, want = prefilled
   be = policies.PoolPolicyBackend(tiny.cfg, "streaming")

@@ -18,7 +18,10 @@ attended in the *pool* (prompt positions [sink, n - window)) differs (EVAL.md, Q
 
 `PoolPolicyBackend` follows the `pigjax.engine.Engine` backend protocol (create_cache,
 prefill_attend, decode_attend, after_prefill, after_step, stats), so Engine-driven decoding works
-with every policy. The pool stays in the device cache and is selected by a mask, which is simple
+with every policy. By default every generated token stays exact; with `pool_generated` the older
+half of a full generated buffer (attention.generated_buffer) joins the pool, hashed with the
+prompt pool's mean key, exactly as the FFI backend's `MagicPigBackend.after_step` does, so long
+generations can be checked against this reference (scripts/soak.py). The pool stays in the device cache and is selected by a mask, which is simple
 and exact but not fast: this backend measures quality, the FFI backend (`pigjax.magicpig`) speed.
 
 In *probe* mode (a traced flag in the cache) every sparse layer also computes dense attention,
@@ -52,7 +55,10 @@ class PolicyCache:
   k: tuple  # per layer [B, K, S, D] (the full dense cache; sparse layers mask it)
   v: tuple
   lengths_B: jax.Array  # int32 tokens seen per slot
-  pool_end_B: jax.Array  # int32: the pool is positions [sink, pool_end)
+  pool_end_B: jax.Array  # int32: the prompt's pool is positions [sink, pool_end)
+  prompt_len_B: jax.Array  # int32 prompt tokens per slot: generated tokens start here
+  gen_pooled: jax.Array  # int32 scalar: generated tokens moved into the pool (pool_generated)
+  gen_count: jax.Array  # int32 scalar: generated tokens in the exact buffer
   mu: tuple  # magicpig: per sparse layer [B, K, D] pool mean key; else None
   codes: tuple  # magicpig: per sparse layer [B, K, S, L] codes of k - mu; else None
   page_min: tuple  # quest: per sparse layer [B, K, P, D]; else None
@@ -75,13 +81,17 @@ class PoolPolicyBackend:
     pool_policy: one of POLICIES.
     k_keep: topk's kept pool keys per query head.
     n_pages: quest's kept pages per query head.
+    pool_generated: move the older half of a full generated buffer into the pool (the FFI
+      backend's behaviour); dense, streaming, topk and the magicpig estimator only, as the other
+      policies' pool indexes (Quest pages, proxy codes) are built once at prefill.
   """
 
   # Engine protocol: seconds spent compiling the backend's own programs. after_prefill's program is
   # compiled lazily by jax.jit, so the Engine counts it as prefill time.
   compile_s = 0.0
 
-  def __init__(self, cfg: Config, pool_policy: str, *, k_keep: int = 0, n_pages: int = 0):
+  def __init__(self, cfg: Config, pool_policy: str, *, k_keep: int = 0, n_pages: int = 0,
+               pool_generated: bool = False):
     if pool_policy not in POLICIES:
       raise ValueError(f"Unknown pool_policy {pool_policy!r}; use one of {POLICIES}.")
     if pool_policy in ("topk", "proxy") and k_keep < 1:
@@ -94,7 +104,12 @@ class PoolPolicyBackend:
     self.rule = cfg.attention.estimator if pool_policy == "magicpig" else pool_policy
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.sparse_index = {l: i for i, l in enumerate(self.sparse_layers)}
+    if pool_generated and (self.rule == "proxy" or pool_policy == "quest"):
+      raise ValueError(f"pool_generated is not supported by the {self.rule!r} rule: its pool "
+                       "index is built once at prefill.")
+    self.pool_generated = pool_generated
     self._after_prefill = jax.jit(self._split)
+    self._evict = jax.jit(self._evict_generated, donate_argnums=(0,))
 
   # -- engine protocol ----------------------------------------------------------------------
 
@@ -110,7 +125,9 @@ class PoolPolicyBackend:
     return self._after_prefill(cache)
 
   def after_step(self, cache: PolicyCache) -> PolicyCache:
-    return cache
+    if not self.pool_generated or int(cache.gen_count) < self.cfg.attention.generated_buffer:
+      return cache
+    return self._evict(cache)
 
   def stats(self, cache) -> dict:
     if not isinstance(cache, PolicyCache) or float(cache.pool_total) == 0:
@@ -127,6 +144,8 @@ class PoolPolicyBackend:
     S = k_BKSD.shape[2]
     pos_S = jnp.arange(S)
     pool_BS = (pos_S[None] >= a.sink) & (pos_S[None] < cache.pool_end_B[:, None])
+    gen_end_B = cache.prompt_len_B + cache.gen_pooled
+    pool_BS |= (pos_S[None] >= cache.prompt_len_B[:, None]) & (pos_S[None] < gen_end_B[:, None])
     seen_BS = pos_S[None] <= cache.lengths_B[:, None]
     q_BHD = q_BTHD[:, 0]
     o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKSD, v_BKSD,
@@ -139,13 +158,15 @@ class PoolPolicyBackend:
     err2_B = jnp.sum(jnp.square(o_BHD - o_dense_BHD), axis=(1, 2))
     ref2_B = jnp.sum(jnp.square(o_dense_BHD), axis=(1, 2))
     H = q_BHD.shape[1]
-    pool_len_B = jnp.maximum(cache.pool_end_B - a.sink, 0).astype(jnp.float32)
+    pool_len_B = jnp.sum(pool_BS, axis=-1, dtype=jnp.float32)
     cache = dataclasses.replace(
         cache, k=attention.replace_at(cache.k, layer, k_BKSD),
         v=attention.replace_at(cache.v, layer, v_BKSD),
         err2_BY=cache.err2_BY.at[:, y].add(err2_B), ref2_BY=cache.ref2_BY.at[:, y].add(ref2_B),
         cand_total=cache.cand_total + jnp.sum(count_BH, dtype=jnp.float32),
         pool_total=cache.pool_total + H * jnp.sum(pool_len_B))
+    if layer == self.sparse_layers[-1]:  # once per step, as MagicPigBackend counts
+      cache = dataclasses.replace(cache, gen_count=cache.gen_count + 1)
     out_BHD = jnp.where(cache.probe, o_dense_BHD, o_BHD)
     return out_BHD[:, None].astype(q_BTHD.dtype), cache
 
@@ -207,6 +228,25 @@ class PoolPolicyBackend:
     b, k, g, s = keep_BKGS.shape
     return o_BHD, lse_BH, jnp.sum(keep_BKGS.reshape(b, k * g, s), axis=-1, dtype=jnp.int32)
 
+  def _evict_generated(self, cache: PolicyCache) -> PolicyCache:
+    """Moves the oldest generated_buffer // 2 exact generated tokens into the pool; the
+    magicpig estimator hashes their keys centred on the prompt pool's mean (as the store does)."""
+    a = self.cfg.attention
+    E = a.generated_buffer // 2
+    B = cache.lengths_B.shape[0]
+    idx_BE = (cache.prompt_len_B + cache.gen_pooled)[:, None] + jnp.arange(E)[None]
+    codes = list(cache.codes)
+    if self.policy == "magicpig":
+      for y, layer in enumerate(self.sparse_layers):
+        k_BKED = jnp.take_along_axis(cache.k[layer], idx_BE[:, None, :, None], axis=2)
+        new_BKEL = lsh.hash_codes(k_BKED.astype(jnp.float32) - cache.mu[y][:, :, None],
+                                  self._hash_matrix(layer), a.num_bits, a.num_tables)
+        K = k_BKED.shape[1]
+        codes[y] = cache.codes[y].at[jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None],
+                                     idx_BE[:, None, :]].set(new_BKEL)
+    return dataclasses.replace(cache, codes=tuple(codes), gen_pooled=cache.gen_pooled + E,
+                               gen_count=cache.gen_count - E)
+
   # -- after prefill ------------------------------------------------------------------------
 
   def _hash_matrix(self, layer: int):
@@ -239,7 +279,8 @@ class PoolPolicyBackend:
     Y = len(self.sparse_layers)
     none = lambda xs: tuple(xs) if xs else tuple(None for _ in self.sparse_layers)
     return PolicyCache(
-        k=tuple(dense.k), v=tuple(dense.v), lengths_B=n_B, pool_end_B=pool_end_B, mu=none(mu),
+        k=tuple(dense.k), v=tuple(dense.v), lengths_B=n_B, pool_end_B=pool_end_B,
+        prompt_len_B=n_B, gen_pooled=jnp.int32(0), gen_count=jnp.int32(0), mu=none(mu),
         codes=none(codes), page_min=none(pmin), page_max=none(pmax), kq=none(kq), vbar=none(vbar),
         probe=jnp.bool_(False),
         err2_BY=jnp.zeros((n_B.shape[0], Y), jnp.float32),
