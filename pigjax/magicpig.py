@@ -9,6 +9,11 @@ merges the two by log-sum-exp, all inside the one jitted step. When the generate
 fills, its older half is hashed (with the pool's mean key) and appended to the pool, so device
 memory and step time stay bounded in long generations.
 
+With attention.estimator="proxy" (issue 12) the same backend runs the store's proxy estimator:
+nothing is hashed (the codes operands have 0 columns); the store quantizes the centred pool keys
+into its index at insert (appended generated keys with the pool's first statistics, clamped) and
+its attend returns the same (o, lse, count) over the pool, so the merge is unchanged.
+
 Shape key:
   B batch   T tokens in this call   S dense cache positions   X exact-buffer entries
   H query heads   K kv heads   D head dim   L hash tables   P pool tokens of this call
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, lsh, placement
+from pigjax import attention, estimators, lsh, placement
 from pigjax.config import Config, validate_attention
 from pigjax.store import HostKVStore, store_attend, store_insert
 
@@ -39,7 +44,7 @@ class MagicPigCache:
   exact_pos_BX: jax.Array  # int32 position of each exact-buffer entry, -1 if empty
   gen_count: jax.Array  # int32 scalar: generated tokens currently in the exact buffer
   mu: tuple  # per layer: sparse [B, K, D] pool mean key; dense None
-  w: tuple  # per layer: sparse SimHash matrix [D, num_bits * num_tables]; dense None
+  w: tuple  # per layer: sparse SimHash matrix [D, num_bits * num_tables]; dense or proxy None
   pool_len_B: jax.Array  # int32 pool tokens per slot (FFI insert's output: orders attends)
   handle: jax.Array  # int32 scalar: the host store
   cand_total: jax.Array  # f32: candidates attended, summed over steps, sparse layers, heads
@@ -52,12 +57,12 @@ class MagicPigBackend:
   def __init__(self, cfg: Config):
     a, m = cfg.attention, cfg.model
     validate_attention(a, m.num_layers)
-    if a.estimator != "magicpig":
+    if a.estimator not in ("magicpig", "proxy"):
       raise ValueError(
-          f"attention.estimator={a.estimator!r} has no host kernel yet: the FFI store runs the "
-          "paper's estimator ('magicpig') only. Use --config.attention.estimator=magicpig, or "
-          "evaluate the other estimators in the pure-jnp reference (scripts/eval_quality.py, "
-          "pigjax.eval.policies).")
+          f"attention.estimator={a.estimator!r} has no host kernel: the FFI store runs "
+          "'magicpig' and 'proxy'. Evaluate other estimators in the pure-jnp reference "
+          "(scripts/eval_quality.py, pigjax.eval.policies).")
+    self.proxy = a.estimator == "proxy"
     placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
@@ -80,7 +85,8 @@ class MagicPigBackend:
         self.store = HostKVStore(
             num_layers=len(self.sparse_layers), num_slots=batch, num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=max_len,
-            dtype=a.store_dtype, threads=a.threads)
+            dtype=a.store_dtype, threads=a.threads, estimator=a.estimator,
+            proxy_bits=a.proxy_bits, proxy_fraction=a.proxy_fraction, proxy_tail=a.proxy_tail)
       for slot in range(batch):
         self.store.reset(slot)
     return attention.DenseCache.create(m.num_layers, batch, m.num_kv_heads, max_len, m.head_dim,
@@ -113,9 +119,16 @@ class MagicPigBackend:
     return self._jitted[key](cache, *args)
 
   def stats(self, cache) -> dict:
+    """pool_fraction: pool rows read (magicpig: candidates; proxy: the exact top rows) over pool
+    rows available. The proxy also scans its index: index_bytes_per_token per pool token and KV
+    head, every step (the estimator's lookup cost, next to the rows it reads)."""
+    extra = {}
+    if self.proxy:
+      extra["index_bytes_per_token"] = estimators.index_bytes_per_token(
+          self.cfg.attention.proxy_bits, self.cfg.model.head_dim)
     if not isinstance(cache, MagicPigCache) or float(cache.pool_total) == 0:
-      return {"pool_fraction": 0.0}
-    return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total)}
+      return {"pool_fraction": 0.0, **extra}
+    return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total), **extra}
 
   # -- attention ----------------------------------------------------------------------------
 
@@ -151,7 +164,10 @@ class MagicPigBackend:
     o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKXD, v_BKXD,
                                                       (exact_pos_BX >= 0)[:, None])
     q_BHD = q_BTHD[:, 0]
-    qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
+    if self.proxy:  # the proxy store scans its index: no codes
+      qcodes_BHL = jnp.zeros(q_BHD.shape[:2] + (0,), jnp.int32)
+    else:
+      qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
     o_pool_BHD, lse_pool_BH, count_BH = store_attend(
         cache.handle, self.store_index[layer], jnp.arange(q_BHD.shape[0], dtype=jnp.int32), q_BHD,
         qcodes_BHL, cache.pool_len_B)
@@ -159,6 +175,30 @@ class MagicPigBackend:
     return o_BHD, count_BH
 
   # -- jitted host-store maintenance --------------------------------------------------------
+
+  def _hash_matrix(self, layer: int):
+    """The layer's SimHash matrix; None for the proxy estimator, which hashes nothing."""
+    a, m = self.cfg.attention, self.cfg.model
+    if self.proxy:
+      return None
+    return lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
+                              a.per_layer_hash)
+
+  def _centre_and_hash(self, k_BKTD, valid_BKT, w):
+    """(mu_BKD, codes_BKTL) of a new pool: the proxy store needs only mu (0 code columns)."""
+    a = self.cfg.attention
+    if self.proxy:
+      return (estimators.pool_mean_values(k_BKTD, valid_BKT),
+              jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32))
+    return lsh.centre_and_hash(k_BKTD, valid_BKT, w, a.num_bits, a.num_tables)
+
+  def _append_codes(self, k_BKTD, mu_BKD, w):
+    """Codes of keys appended to a pool with mean mu_BKD (0 columns for the proxy)."""
+    a = self.cfg.attention
+    if self.proxy:
+      return jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32)
+    return lsh.hash_codes(k_BKTD.astype(jnp.float32) - mu_BKD[:, :, None], w, a.num_bits,
+                          a.num_tables)
 
   def _split_prefill(self, dense: attention.DenseCache, handle, slots_B=None) -> MagicPigCache:
     """Keeps exact tokens on the device and inserts each sparse layer's pool into the store
@@ -200,12 +240,11 @@ class MagicPigBackend:
       pad = ((0, 0), (0, 0), (0, a.generated_buffer), (0, 0))
       k.append(jnp.pad(gather(k_BKSD, pos_BJ), pad))
       v.append(jnp.pad(gather(v_BKSD, pos_BJ), pad))
-      w_l = lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
-                               a.per_layer_hash)
+      w_l = self._hash_matrix(layer)
       kp_BKPD = jnp.take(k_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
       vp_BKPD = jnp.take(v_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
       valid_BKP = jnp.broadcast_to(pool_valid_BP[:, None], kp_BKPD.shape[:3])
-      mu_BKD, codes_BKPL = lsh.centre_and_hash(kp_BKPD, valid_BKP, w_l, a.num_bits, a.num_tables)
+      mu_BKD, codes_BKPL = self._centre_and_hash(kp_BKPD, valid_BKP, w_l)
       # Every insert feeds pool_len_B, which every later attend takes as its ordering operand.
       out_len_B = jnp.maximum(out_len_B, store_insert(
           handle, self.store_index[layer], slots_B, kp_BKPD, vp_BKPD, codes_BKPL, pool_len_B,
@@ -227,8 +266,7 @@ class MagicPigBackend:
     for layer, idx in self.store_index.items():
       old_k = k[layer][:, :, exact:exact + E]
       old_v = v[layer][:, :, exact:exact + E]
-      codes = lsh.hash_codes(old_k.astype(jnp.float32) - cache.mu[layer][:, :, None],
-                             cache.w[layer], a.num_bits, a.num_tables)
+      codes = self._append_codes(old_k, cache.mu[layer], cache.w[layer])
       out_len_B = jnp.maximum(out_len_B, store_insert(
           cache.handle, idx, jnp.arange(B, dtype=jnp.int32), old_k, old_v, codes,
           jnp.full((B,), E, jnp.int32), cache.mu[layer]))
