@@ -224,3 +224,21 @@ def test_index_memory_is_accounted():
   proxy8 = HostKVStore.estimate_bytes(**geo, estimator="proxy", proxy_bits=8)
   assert proxy_bytes < lsh_bytes / 2
   assert proxy8 - proxy_bytes == 2 * 3 * 4096 * 32  # 64 bytes a token at 8 bits, 32 at 4
+
+
+def test_selection_when_the_sampled_threshold_keeps_too_few():
+  """Long pools pick the k-th score through a threshold from every 16th score; when exactly those
+  keys are the heaviest the threshold keeps fewer than k, and the selection must fall back to
+  the whole pool (and still match the reference)."""
+  B, K, G, D, T = 1, 1, 2, 32, 4096
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(B, K * G, D)), jnp.float32)
+  heavy = (np.arange(T) % 16 == 0)[None, None, :, None]
+  k = rng.normal(size=(B, K, T, D)) * 0.3 + heavy * np.asarray(q)[:, :1, None, :] * 2.0
+  k, v = jnp.asarray(k, jnp.float32), jnp.asarray(rng.normal(size=(B, K, T, D)), jnp.float32)
+  lengths_B = jnp.asarray([T], jnp.int32)
+  want, mu = _ref(q, k, v, lengths_B, lengths_B, bits=4, fraction=0.03, tail="mean", k_max=123)
+  with _store(B, K, D, T, fraction=0.03) as store:
+    got = _attend(store, q, _insert(store, k, v, lengths_B, mu))
+  assert np.all(np.asarray(got[2]) == 123)
+  _check(got, want, 2e-5)
