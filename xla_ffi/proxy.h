@@ -108,42 +108,73 @@ inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau, int32_t* s
 namespace avx2 {
 #define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
 
-// Up to kHeadsPerPass heads are scored per pass over the index, each token unpacked once.
-constexpr int kHeadsPerPass = 8;
+// NH query heads (1..4) of one kv head and two tokens per iteration: each token's codes are
+// unpacked once, each weight vector loaded once for both tokens, and the 2 x NH accumulators stay
+// in registers (NH is a template parameter, so the head loops unroll).
+template <int NH>
+PIGJAX_AVX2 inline void ProxyScoresHeads(const ProxyLayout& l, const uint8_t* codes, int64_t t0,
+                                         int64_t t1, const float* w, const float* bias,
+                                         float* out, int64_t out_stride) {
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  auto unpack16 = [&](const uint8_t* p, __m256& lo, __m256& hi) PIGJAX_AVX2 {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low4)));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+  };
+  auto unpack8 = [&](const uint8_t* p) PIGJAX_AVX2 {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  int64_t t = t0;
+  for (; t + 2 <= t1; t += 2) {
+    const uint8_t* c0 = codes + t * l.bytes;
+    const uint8_t* c1 = c0 + l.bytes;
+    __m256 a0[NH], a1[NH];
+    for (int h = 0; h < NH; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+    if (l.bits <= 4) {
+      for (int64_t g = 0; g < l.padded / 16; ++g) {
+        __m256 lo0, hi0, lo1, hi1;
+        unpack16(c0 + 8 * g, lo0, hi0);
+        unpack16(c1 + 8 * g, lo1, hi1);
+        for (int h = 0; h < NH; ++h) {
+          const __m256 wl = _mm256_loadu_ps(w + h * l.padded + 16 * g);
+          const __m256 wh = _mm256_loadu_ps(w + h * l.padded + 16 * g + 8);
+          a0[h] = _mm256_fmadd_ps(wh, hi0, _mm256_fmadd_ps(wl, lo0, a0[h]));
+          a1[h] = _mm256_fmadd_ps(wh, hi1, _mm256_fmadd_ps(wl, lo1, a1[h]));
+        }
+      }
+    } else {
+      for (int64_t g = 0; g < l.padded / 8; ++g) {
+        const __m256 x0 = unpack8(c0 + 8 * g), x1 = unpack8(c1 + 8 * g);
+        for (int h = 0; h < NH; ++h) {
+          const __m256 wv = _mm256_loadu_ps(w + h * l.padded + 8 * g);
+          a0[h] = _mm256_fmadd_ps(wv, x0, a0[h]);
+          a1[h] = _mm256_fmadd_ps(wv, x1, a1[h]);
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      out[h * out_stride + t] = bias[h] + HSum(a0[h]);
+      out[h * out_stride + t + 1] = bias[h] + HSum(a1[h]);
+    }
+  }
+  if (t < t1) scalar::ProxyScores(l, codes, t, t1, w, bias, NH, out, out_stride);
+}
 
 PIGJAX_AVX2 inline void ProxyScores(const ProxyLayout& l, const uint8_t* codes, int64_t t0,
                                     int64_t t1, const float* w, const float* bias, int heads,
                                     float* out, int64_t out_stride) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  for (int h0 = 0; h0 < heads; h0 += kHeadsPerPass) {
-    const int nh = std::min(kHeadsPerPass, heads - h0);
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* c = codes + t * l.bytes;
-      __m256 acc[kHeadsPerPass];
-      for (int h = 0; h < nh; ++h) acc[h] = _mm256_setzero_ps();
-      if (l.bits <= 4) {
-        for (int64_t g = 0; g < l.padded / 16; ++g) {
-          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * g));
-          const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low4)));
-          const __m256 hi = _mm256_cvtepi32_ps(
-              _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
-          for (int h = 0; h < nh; ++h) {
-            const float* wh = w + (h0 + h) * l.padded + 16 * g;
-            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(wh), lo, acc[h]);
-            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(wh + 8), hi, acc[h]);
-          }
-        }
-      } else {
-        for (int64_t g = 0; g < l.padded / 8; ++g) {
-          const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * g))));
-          for (int h = 0; h < nh; ++h) {
-            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (h0 + h) * l.padded + 8 * g), x, acc[h]);
-          }
-        }
-      }
-      for (int h = 0; h < nh; ++h) out[(h0 + h) * out_stride + t] = bias[h0 + h] + HSum(acc[h]);
+  for (int h0 = 0; h0 < heads;) {
+    const int nh = std::min(4, heads - h0);
+    const float* wh = w + h0 * l.padded;
+    float* oh = out + h0 * out_stride;
+    switch (nh) {
+      case 4: ProxyScoresHeads<4>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
+      case 3: ProxyScoresHeads<3>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
+      case 2: ProxyScoresHeads<2>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
+      default: ProxyScoresHeads<1>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
     }
+    h0 += nh;
   }
 }
 
