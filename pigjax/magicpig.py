@@ -32,7 +32,7 @@ import numpy as np
 
 from pigjax import attention, estimators, lsh, placement
 from pigjax.config import Config, validate_attention
-from pigjax.store import HostKVStore, store_attend, store_insert
+from pigjax.store import HostKVStore, proxy_index_bytes, store_attend, store_insert
 
 
 @jax.tree_util.register_dataclass
@@ -124,8 +124,8 @@ class MagicPigBackend:
     head, every step (the estimator's lookup cost, next to the rows it reads)."""
     extra = {}
     if self.proxy:
-      extra["index_bytes_per_token"] = estimators.index_bytes_per_token(
-          self.cfg.attention.proxy_bits, self.cfg.model.head_dim)
+      extra["index_bytes_per_token"] = proxy_index_bytes(self.cfg.attention.proxy_bits,
+                                                         self.cfg.model.head_dim)
     if not isinstance(cache, MagicPigCache) or float(cache.pool_total) == 0:
       return {"pool_fraction": 0.0, **extra}
     return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total), **extra}

@@ -12,7 +12,9 @@ query's codes up in the tables and computes importance-weighted attention over t
 (steps 5-8 of DESIGN.md section 1). A store created with `estimator="proxy"` (issue 12,
 pigjax/estimators.py) builds no tables: the insert quantizes the centred keys into a 4-bit
 (`proxy_bits`) index, and the attend scans it, attends the top `proxy_fraction` of the pool
-exactly and adds the mean-V tail; its code operands have 0 columns (`code_columns`). Both are `jax.ffi.ffi_call`s with side effects; an attend
+exactly and adds the mean-V tail; its code operands have 0 columns (`code_columns`).
+
+Both are `jax.ffi.ffi_call`s with side effects; an attend
 that must see an insert takes the insert's output as its `dep` operand.
 
 Shape letters: B batch rows, K kv heads, H query heads, T tokens, D head dim, L tables.
@@ -58,6 +60,15 @@ def _check_geometry(geometry: dict, threads, estimator: dict) -> None:
       raise ValueError(f"HostKVStore {name} must be an int, got {value!r}.")
     if not -_INT32_MAX <= value <= _INT32_MAX:
       raise ValueError(f"HostKVStore {name}={value} is outside the int32 range the store takes.")
+
+
+def proxy_index_bytes(bits: int, head_dim: int) -> int:
+  """Index bytes per pool token and KV head that the proxy store keeps and scans every step
+  (xla_ffi/proxy.h ProxyLayout): bits <= 4 pack two channels a byte, bits 5..8 one, and channels
+  are padded to groups of 16 (8 for bytes). 1-3 bits therefore cost what 4 do on the host."""
+  if bits <= 4:
+    return -(-head_dim // 16) * 8
+  return -(-head_dim // 8) * 8
 
 
 def available_bytes() -> int | None:

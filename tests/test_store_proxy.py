@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pigjax import estimators
-from pigjax.store import HostKVStore, store_attend, store_insert
+from pigjax.store import HostKVStore, proxy_index_bytes, store_attend, store_insert
 
 RuntimeErr = jax.errors.JaxRuntimeError
 
@@ -222,8 +222,13 @@ def test_index_memory_is_accounted():
   lsh_bytes = HostKVStore.estimate_bytes(**geo)
   proxy_bytes = HostKVStore.estimate_bytes(**geo, estimator="proxy")
   proxy8 = HostKVStore.estimate_bytes(**geo, estimator="proxy", proxy_bits=8)
+  proxy3 = HostKVStore.estimate_bytes(**geo, estimator="proxy", proxy_bits=3)
   assert proxy_bytes < lsh_bytes / 2
-  assert proxy8 - proxy_bytes == 2 * 3 * 4096 * 32  # 64 bytes a token at 8 bits, 32 at 4
+  extra8 = proxy_index_bytes(8, 64) - proxy_index_bytes(4, 64)
+  assert proxy8 - proxy_bytes == 2 * 3 * 4096 * extra8
+  assert (proxy_index_bytes(4, 64), proxy_index_bytes(8, 64)) == (32, 64)
+  assert proxy3 == proxy_bytes  # 3 bits are stored (and scanned) as 4
+  assert (proxy_index_bytes(4, 40), proxy_index_bytes(6, 24)) == (24, 24)  # padded groups
 
 
 def test_selection_when_the_sampled_threshold_keeps_too_few():
