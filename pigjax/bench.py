@@ -186,12 +186,17 @@ def magicpig_cache(backend: MagicPigBackend, dense: attention.DenseCache, n: int
       continue
     k_l, v_l = dense.k[layer], dense.v[layer]
     k.append(jnp.pad(k_l[:, :, pos_J], pad)), v.append(jnp.pad(v_l[:, :, pos_J], pad))
-    w_l = lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
-                             a.per_layer_hash)
+    w_l = backend._hash_matrix(layer)  # None for the proxy estimator: nothing to hash
     t0 = time.perf_counter()
-    mu_l, codes = jax.block_until_ready(_pool_codes(
-        k_l, w_l, n=n, sink=a.sink, window=a.window, num_bits=a.num_bits,
-        num_tables=a.num_tables))
+    if w_l is None:
+      kp_f = k_l[:, :, a.sink:n - a.window].astype(jnp.float32)
+      mu_l = jax.block_until_ready(jnp.mean(kp_f, axis=2))
+      codes = jnp.zeros(kp_f.shape[:3] + (0,), jnp.int32)
+      del kp_f
+    else:
+      mu_l, codes = jax.block_until_ready(_pool_codes(
+          k_l, w_l, n=n, sink=a.sink, window=a.window, num_bits=a.num_bits,
+          num_tables=a.num_tables))
     t1 = time.perf_counter()
     kp, vp = k_l[:, :, a.sink:n - a.window], v_l[:, :, a.sink:n - a.window]
     jax.block_until_ready((kp, vp))

@@ -17,9 +17,9 @@ import ml_collections
 # The one list of each set of choices: validation everywhere reads these, so adding a choice
 # (as the "int8" store dtype was) is a one-line change here plus its implementation.
 ATTENTION_KINDS = ("dense", "magicpig")
-# Pool estimators of the sparse layers: "magicpig" is the paper's (DESIGN.md section 1, the default
-# and the only one the host kernel runs); "proxy" is score-proxy top-k with a tail estimate
-# (pigjax/estimators.py, issue 12), pure-jnp reference only for now.
+# Pool estimators of the sparse layers, both run by the host store's kernels: "magicpig" is the
+# paper's (DESIGN.md section 1, the default); "proxy" is score-proxy top-k with a tail estimate
+# (pigjax/estimators.py and xla_ffi/proxy.h, issue 12).
 ESTIMATORS = ("magicpig", "proxy")
 PROXY_TAILS = ("mean", "none")
 DECODE_KERNELS = ("auto", "host", "xla")

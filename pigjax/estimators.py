@@ -18,6 +18,11 @@ instead scores *every* pool key cheaply and reads only the best:
    dropped, as top-k does. The tail is what top-k loses on flat heads (vAttention's observation,
    arXiv 2510.05688); here it costs no row reads.
 
+Generated keys appended to a pool later (the host store's inserts after the first, when the
+generated buffer is moved into the pool) are coded with the pool's first mu, lo and step, each
+code clamped to [0, 2^bits - 1] (`quantize_with_stats`): earlier codes stay valid and an append
+costs O(new keys). The C++ kernel (xla_ffi/proxy.h, store_proxy.h) does exactly this.
+
 The probe (`scripts/probe_estimators.py`) measured the variants this module was chosen from.
 This is the pure-jnp, mask-based reference (O(pool) per query, static shapes, jit-able), in the
 shape conventions of `pigjax.lsh`: B batch, H query heads, K kv heads, G query heads per kv head,
@@ -34,16 +39,11 @@ from pigjax.config import PROXY_TAILS
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def quantize_keys(k_BKTD: jax.Array, valid_BKT: jax.Array,
-                  bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Centres the pool keys and quantizes them per channel to 2^bits uniform levels.
-
-  Returns:
-    mu_BKD: mean of the valid keys (0 for an empty pool).
-    kq_BKTD: f32 dequantized centred keys (what the index stores, as values); invalid rows 0.
-    step_BKD: f32 quantization step per channel (for tests and the error bound |kq - k~| <=
-      step / 2).
-  """
+def quantize_stats(k_BKTD: jax.Array, valid_BKT: jax.Array,
+                   bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The index statistics of a pool: mu_BKD (mean key; 0 for an empty pool), lo_BKD (per channel
+  minimum of the centred keys) and step_BKD ((max - min) / (2^bits - 1); 1 for a constant
+  channel or an empty pool, so its code is 0 and its value exact)."""
   if not 1 <= bits <= 8:
     raise ValueError(f"proxy bits must be in [1, 8], got {bits}.")
   k_BKTD = k_BKTD.astype(jnp.float32)
@@ -54,14 +54,42 @@ def quantize_keys(k_BKTD: jax.Array, valid_BKT: jax.Array,
   lo_BKD = jnp.min(jnp.where(m_BKT1, kc_BKTD, jnp.inf), axis=2)
   hi_BKD = jnp.max(jnp.where(m_BKT1, kc_BKTD, -jnp.inf), axis=2)
   levels = float((1 << bits) - 1)
-  # A constant channel (or an empty pool) has hi <= lo: step 1 and code 0 keep it exact.
   ok_BKD = hi_BKD > lo_BKD
   lo_BKD = jnp.where(jnp.isfinite(lo_BKD), lo_BKD, 0.0)
-  step_BKD = jnp.where(ok_BKD, (hi_BKD - lo_BKD) / levels, 1.0)
-  code_BKTD = jnp.clip(jnp.round((kc_BKTD - lo_BKD[:, :, None]) / step_BKD[:, :, None]), 0.0,
+  # Products with reciprocals, never divisions: XLA:CPU may rewrite a division into such a
+  # product (or not), and the C++ kernel must code every key exactly as this reference does.
+  step_BKD = jnp.where(ok_BKD, (hi_BKD - lo_BKD) * (1.0 / levels), 1.0)
+  return mu_BKD, lo_BKD, step_BKD
+
+
+def quantize_with_stats(k_BKTD: jax.Array, valid_BKT: jax.Array, mu_BKD: jax.Array,
+                        lo_BKD: jax.Array, step_BKD: jax.Array, bits: int) -> jax.Array:
+  """kq_BKTD: f32 dequantized centred keys lo + code * step, code = clip(round((k - mu - lo) /
+  step), 0, 2^bits - 1) (ties to even); invalid rows 0. With the stats of another set of keys
+  (an append) the clip bounds keys outside that set's range."""
+  k_BKTD = k_BKTD.astype(jnp.float32)
+  levels = float((1 << bits) - 1)
+  kc_BKTD = k_BKTD - mu_BKD[:, :, None]
+  inv_step_BKD = 1.0 / step_BKD  # (see quantize_stats)
+  code_BKTD = jnp.clip(jnp.round((kc_BKTD - lo_BKD[:, :, None]) * inv_step_BKD[:, :, None]), 0.0,
                        levels)
-  kq_BKTD = jnp.where(m_BKT1, lo_BKD[:, :, None] + code_BKTD * step_BKD[:, :, None], 0.0)
-  return mu_BKD, kq_BKTD, step_BKD
+  return jnp.where(valid_BKT[..., None], lo_BKD[:, :, None] + code_BKTD * step_BKD[:, :, None],
+                   0.0)
+
+
+def quantize_keys(k_BKTD: jax.Array, valid_BKT: jax.Array,
+                  bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Centres the pool keys and quantizes them per channel to 2^bits uniform levels (the stats of
+  `quantize_stats` applied by `quantize_with_stats`).
+
+  Returns:
+    mu_BKD: mean of the valid keys (0 for an empty pool).
+    kq_BKTD: f32 dequantized centred keys (what the index stores, as values); invalid rows 0.
+    step_BKD: f32 quantization step per channel (for tests and the error bound |kq - k~| <=
+      step / 2).
+  """
+  mu_BKD, lo_BKD, step_BKD = quantize_stats(k_BKTD, valid_BKT, bits)
+  return mu_BKD, quantize_with_stats(k_BKTD, valid_BKT, mu_BKD, lo_BKD, step_BKD, bits), step_BKD
 
 
 def pool_mean_values(v_BKTD: jax.Array, valid_BKT: jax.Array) -> jax.Array:

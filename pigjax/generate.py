@@ -95,6 +95,8 @@ def generate(argv):
   extra = ""
   if "pool_fraction" in stats.extra:
     extra = f", attended {100 * stats.extra['pool_fraction']:.2f}% of the pool"
+  if "index_bytes_per_token" in stats.extra:  # the proxy estimator also scans its whole index
+    extra += f" (and scanned its {stats.extra['index_bytes_per_token']:g}-byte index per token)"
   print(f"[pigjax] {cfg.attention.kind} attention | prompt {stats.prompt_tokens} tokens | "
         f"time to first token {stats.prefill_s:.2f} s | {stats.generated_tokens} new tokens, "
         f"decode {stats.decode_tokens_per_s:.1f} tokens/s | load {pipe.load_s:.1f} s, compile "

@@ -10,6 +10,11 @@ fills, its older half is hashed (with the pool's mean key) and appended to the p
 memory and step time stay bounded in long generations. On a device mesh (`pigjax.sharding`) each
 device inserts and attends inside `shard_map`, on a host store of its own rows and KV heads.
 
+With attention.estimator="proxy" (issue 12) the same backend runs the store's proxy estimator:
+nothing is hashed (the codes operands have 0 columns); the store quantizes the centred pool keys
+into its index at insert (appended generated keys with the pool's first statistics, clamped) and
+its attend returns the same (o, lse, count) over the pool, so the merge is unchanged.
+
 Shape key:
   B batch   T tokens in this call   S dense cache positions   X exact-buffer entries
   H query heads   K kv heads   D head dim   L hash tables   P pool tokens of this call
@@ -26,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, host_attention, lsh, placement
+from pigjax import attention, estimators, host_attention, lsh, placement
 from pigjax.config import Config, validate_attention
-from pigjax.sharding import Sharding
-from pigjax.store import HostKVStore, store_insert
+from pigjax.sharding import Sharding, mesh_requested
+from pigjax.store import HostKVStore, proxy_index_bytes, store_insert
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +46,7 @@ class MagicPigCache:
   exact_pos_BX: jax.Array  # int32 position of each exact-buffer entry, -1 if empty
   gen_count: jax.Array  # int32 scalar: generated tokens currently in the exact buffer
   mu: tuple  # per layer: sparse [B, K, D] pool mean key; dense None
-  w: tuple  # per layer: sparse SimHash matrix [D, num_bits * num_tables]; dense None
+  w: tuple  # per layer: sparse SimHash matrix [D, num_bits * num_tables]; dense or proxy None
   pool_len_B: jax.Array  # int32 pool tokens per slot (FFI insert's output: orders attends)
   handle: jax.Array  # int32 scalar: the host store
   cand_total: jax.Array  # f32: candidates attended, summed over steps, sparse layers, heads
@@ -54,17 +59,21 @@ class MagicPigBackend:
   def __init__(self, cfg: Config):
     a, m = cfg.attention, cfg.model
     validate_attention(a, m.num_layers)
-    if a.estimator != "magicpig":
+    if a.estimator not in ("magicpig", "proxy"):
       raise ValueError(
-          f"attention.estimator={a.estimator!r} has no host kernel yet: the FFI store runs the "
-          "paper's estimator ('magicpig') only. Use --config.attention.estimator=magicpig, or "
-          "evaluate the other estimators in the pure-jnp reference (scripts/eval_quality.py, "
-          "pigjax.eval.policies).")
+          f"attention.estimator={a.estimator!r} has no host kernel: the FFI store runs "
+          "'magicpig' and 'proxy'. Evaluate other estimators in the pure-jnp reference "
+          "(scripts/eval_quality.py, pigjax.eval.policies).")
+    self.proxy = a.estimator == "proxy"
     placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
     self.host_decode = host_attention.use_host_kernel(cfg)  # dense layers' decode attention
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
+    if self.proxy and mesh_requested(cfg.mesh):
+      raise ValueError("attention.estimator='proxy' runs on one device (its store is not tested "
+                       "under shard_map yet); on a mesh use estimator='magicpig' or "
+                       "attention.kind='dense'.")
     self.sharding = Sharding.create(cfg.mesh, m)
     # Host stores by (data, model) mesh coordinate: one, at (0, 0), without a mesh.
     self.stores: dict[tuple[int, int], HostKVStore] = {}
@@ -102,7 +111,8 @@ class MagicPigBackend:
     return HostKVStore(
         num_layers=len(self.sparse_layers), num_slots=slots, num_kv_heads=kv_heads,
         head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=capacity,
-        dtype=a.store_dtype, threads=a.threads)
+        dtype=a.store_dtype, threads=a.threads, estimator=a.estimator,
+        proxy_bits=a.proxy_bits, proxy_fraction=a.proxy_fraction, proxy_tail=a.proxy_tail)
 
   @property
   def store(self) -> HostKVStore | None:
@@ -146,9 +156,16 @@ class MagicPigBackend:
     return self._jitted[key](cache, *args)
 
   def stats(self, cache) -> dict:
+    """pool_fraction: pool rows read (magicpig: candidates; proxy: the exact top rows) over pool
+    rows available. The proxy also scans its index: index_bytes_per_token per pool token and KV
+    head, every step (the estimator's lookup cost, next to the rows it reads)."""
+    extra = {}
+    if self.proxy:
+      extra["index_bytes_per_token"] = proxy_index_bytes(self.cfg.attention.proxy_bits,
+                                                         self.cfg.model.head_dim)
     if not isinstance(cache, MagicPigCache) or float(cache.pool_total) == 0:
-      return {"pool_fraction": 0.0}
-    return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total)}
+      return {"pool_fraction": 0.0, **extra}
+    return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total), **extra}
 
   # -- attention ----------------------------------------------------------------------------
 
@@ -185,13 +202,40 @@ class MagicPigBackend:
     o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKXD, v_BKXD,
                                                       (exact_pos_BX >= 0)[:, None])
     q_BHD = q_BTHD[:, 0]
-    qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
+    if self.proxy:  # the proxy store scans its index: no codes
+      qcodes_BHL = jnp.zeros(q_BHD.shape[:2] + (0,), jnp.int32)
+    else:
+      qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
     o_pool_BHD, lse_pool_BH, count_BH = self.sharding.store_attend(
         cache.handle, self.store_index[layer], q_BHD, qcodes_BHL, cache.pool_len_B)
     o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
     return o_BHD, count_BH
 
   # -- jitted host-store maintenance --------------------------------------------------------
+
+  def _hash_matrix(self, layer: int):
+    """The layer's SimHash matrix; None for the proxy estimator, which hashes nothing."""
+    a, m = self.cfg.attention, self.cfg.model
+    if self.proxy:
+      return None
+    return lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
+                              a.per_layer_hash)
+
+  def _centre_and_hash(self, k_BKTD, valid_BKT, w):
+    """(mu_BKD, codes_BKTL) of a new pool: the proxy store needs only mu (0 code columns)."""
+    a = self.cfg.attention
+    if self.proxy:
+      return (estimators.pool_mean_values(k_BKTD, valid_BKT),
+              jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32))
+    return lsh.centre_and_hash(k_BKTD, valid_BKT, w, a.num_bits, a.num_tables)
+
+  def _append_codes(self, k_BKTD, mu_BKD, w):
+    """Codes of keys appended to a pool with mean mu_BKD (0 columns for the proxy)."""
+    a = self.cfg.attention
+    if self.proxy:
+      return jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32)
+    return lsh.hash_codes(k_BKTD.astype(jnp.float32) - mu_BKD[:, :, None], w, a.num_bits,
+                          a.num_tables)
 
   def _split_prefill(self, dense: attention.DenseCache, handle, slots_B=None) -> MagicPigCache:
     """Keeps exact tokens on the device and inserts each sparse layer's pool into the store
@@ -236,12 +280,11 @@ class MagicPigBackend:
       pad = ((0, 0), (0, 0), (0, a.generated_buffer), (0, 0))
       k.append(jnp.pad(gather(k_BKSD, pos_BJ), pad))
       v.append(jnp.pad(gather(v_BKSD, pos_BJ), pad))
-      w_l = lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
-                               a.per_layer_hash)
+      w_l = self._hash_matrix(layer)
       kp_BKPD = jnp.take(k_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
       vp_BKPD = jnp.take(v_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
       valid_BKP = jnp.broadcast_to(pool_valid_BP[:, None], kp_BKPD.shape[:3])
-      mu_BKD, codes_BKPL = lsh.centre_and_hash(kp_BKPD, valid_BKP, w_l, a.num_bits, a.num_tables)
+      mu_BKD, codes_BKPL = self._centre_and_hash(kp_BKPD, valid_BKP, w_l)
       # Every insert feeds pool_len_B, which every later attend takes as its ordering operand.
       if custom_slots:
         inserted_B = store_insert(handle, self.store_index[layer], slots_B, kp_BKPD, vp_BKPD,
@@ -267,8 +310,7 @@ class MagicPigBackend:
     for layer, idx in self.store_index.items():
       old_k = k[layer][:, :, exact:exact + E]
       old_v = v[layer][:, :, exact:exact + E]
-      codes = lsh.hash_codes(old_k.astype(jnp.float32) - cache.mu[layer][:, :, None],
-                             cache.w[layer], a.num_bits, a.num_tables)
+      codes = self._append_codes(old_k, cache.mu[layer], cache.w[layer])
       out_len_B = jnp.maximum(out_len_B, self.sharding.store_insert(
           cache.handle, idx, old_k, old_v, codes, jnp.full((B,), E, jnp.int32), cache.mu[layer]))
       k[layer] = _shift_generated(k[layer], exact, E, keep)

@@ -25,15 +25,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def make_backend(cfg: Config):
   validate_attention(cfg.attention)  # MagicPigBackend also bounds dense_layers by the model
-  if cfg.attention.kind == "magicpig" and cfg.attention.estimator != "magicpig":
-    # Estimators without a host kernel yet (issue 12) run their pure-jnp reference on a
-    # device-resident pool: the same answers as the quality harness, at O(pool) per step.
-    if sharding.mesh_requested(cfg.mesh):
-      raise ValueError(f"attention.estimator={cfg.attention.estimator!r} runs a one-device "
-                       "reference; on a mesh use estimator='magicpig' or attention.kind='dense'.")
-    from pigjax.eval.policies import PoolPolicyBackend
-    return PoolPolicyBackend(cfg, "magicpig")
-  if cfg.attention.kind == "magicpig":
+  if cfg.attention.kind == "magicpig":  # both estimators ("magicpig", "proxy") run in the store
     from pigjax.magicpig import MagicPigBackend  # the host store is only built when asked for
     return MagicPigBackend(cfg)
   return DenseBackend(cfg)

@@ -9,7 +9,12 @@ shared by the prefill and decode programs.
 
 `store_insert` appends tokens (keys hashed in JAX) and extends the tables; `store_attend` looks the
 query's codes up in the tables and computes importance-weighted attention over the candidates
-(steps 5-8 of DESIGN.md section 1). Both are `jax.ffi.ffi_call`s with side effects; an attend
+(steps 5-8 of DESIGN.md section 1). A store created with `estimator="proxy"` (issue 12,
+pigjax/estimators.py) builds no tables: the insert quantizes the centred keys into a 4-bit
+(`proxy_bits`) index, and the attend scans it, attends the top `proxy_fraction` of the pool
+exactly and adds the mean-V tail; its code operands have 0 columns (`code_columns`).
+
+Both are `jax.ffi.ffi_call`s with side effects; an attend
 that must see an insert takes the insert's output as its `dep` operand.
 
 Shape letters: B batch rows, K kv heads, H query heads, T tokens, D head dim, L tables.
@@ -25,7 +30,7 @@ import numpy as np
 
 from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
 from pigjax import _pigjax_ffi
-from pigjax.config import STORE_DTYPES
+from pigjax.config import ESTIMATORS, PROXY_TAILS, STORE_DTYPES
 
 _INT32_MAX = 2**31 - 1
 _FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -34,9 +39,19 @@ _FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _OPEN: weakref.WeakValueDictionary[int, HostKVStore] = weakref.WeakValueDictionary()
 
 
-def _check_geometry(geometry: dict, threads) -> None:
+def _check_geometry(geometry: dict, threads, estimator: dict) -> None:
   """Python ints that fit the C++ int fields; the store's own checks then name any bad value."""
-  for name, value in [*geometry.items(), ("threads", threads)]:
+  if estimator["estimator"] not in ESTIMATORS:
+    raise ValueError(f"HostKVStore estimator must be one of {ESTIMATORS}, got "
+                     f"{estimator['estimator']!r}.")
+  if estimator["proxy_tail"] not in PROXY_TAILS:
+    raise ValueError(f"HostKVStore proxy_tail must be one of {PROXY_TAILS}, got "
+                     f"{estimator['proxy_tail']!r}.")
+  if not 0.0 < float(estimator["proxy_fraction"]) <= 1.0:
+    raise ValueError(f"HostKVStore proxy_fraction must be in (0, 1], got "
+                     f"{estimator['proxy_fraction']!r}.")
+  for name, value in [*geometry.items(), ("threads", threads),
+                      ("proxy_bits", estimator["proxy_bits"])]:
     if name == "dtype":
       if value not in STORE_DTYPES:
         raise ValueError(f"HostKVStore dtype must be one of {STORE_DTYPES}, got {value!r}.")
@@ -45,6 +60,15 @@ def _check_geometry(geometry: dict, threads) -> None:
       raise ValueError(f"HostKVStore {name} must be an int, got {value!r}.")
     if not -_INT32_MAX <= value <= _INT32_MAX:
       raise ValueError(f"HostKVStore {name}={value} is outside the int32 range the store takes.")
+
+
+def proxy_index_bytes(bits: int, head_dim: int) -> int:
+  """Index bytes per pool token and KV head that the proxy store keeps and scans every step
+  (xla_ffi/proxy.h ProxyLayout): bits <= 4 pack two channels a byte, bits 5..8 one, and channels
+  are padded to groups of 16 (8 for bytes). 1-3 bits therefore cost what 4 do on the host."""
+  if bits <= 4:
+    return -(-head_dim // 16) * 8
+  return -(-head_dim // 8) * 8
 
 
 def available_bytes() -> int | None:
@@ -73,6 +97,10 @@ class HostKVStore:
       (one float32 scale per K row and per V row, `lsh.quantize_int8_rows`). Norms, means and
       math are float32.
     threads: size of the store's own thread pool, at most 256; 0 = all hardware threads.
+    estimator: one of config.ESTIMATORS. "proxy" builds no LSH tables (num_bits and num_tables
+      are then unused; codes operands have 0 columns) but a `proxy_bits` index of the centred
+      keys; its attend reads the top `proxy_fraction` of the pool exactly, plus the mean-V tail
+      when `proxy_tail` is "mean".
     verbose: print the worst-case memory estimate.
 
   Raises:
@@ -83,17 +111,22 @@ class HostKVStore:
 
   def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                num_bits: int, num_tables: int, capacity: int, dtype: str = "bfloat16",
-               threads: int = 0, verbose: bool = True):
+               threads: int = 0, estimator: str = "magicpig", proxy_bits: int = 4,
+               proxy_fraction: float = 0.03, proxy_tail: str = "mean", verbose: bool = True):
     self.handle = -1
     geometry = dict(num_layers=num_layers, num_slots=num_slots, num_kv_heads=num_kv_heads,
                     head_dim=head_dim, num_bits=num_bits, num_tables=num_tables,
                     capacity=capacity, dtype=dtype)
-    _check_geometry(geometry, threads)
-    est = _pigjax_ffi.store_estimate_bytes(*geometry.values(), threads)
+    est_cfg = dict(estimator=estimator, proxy_bits=proxy_bits,
+                   proxy_fraction=float(proxy_fraction), proxy_tail=proxy_tail)
+    _check_geometry(geometry, threads, est_cfg)
+    est = _pigjax_ffi.store_estimate_bytes(*geometry.values(), threads, *est_cfg.values())
     if verbose:
+      index = (f"{num_tables} tables of 2^{num_bits} buckets" if estimator == "magicpig" else
+               f"a {proxy_bits}-bit proxy index, {proxy_fraction:g} of the pool read")
       print(f"pigjax: host KV store up to {est / 2**30:.2f} GiB ({num_layers} layers x "
             f"{num_slots} slots x {num_kv_heads} kv heads x {capacity} tokens, {dtype} K/V, "
-            f"{num_tables} tables of 2^{num_bits} buckets)")
+            f"{index})")
     avail = available_bytes()
     if avail is not None and est > avail:
       raise MemoryError(
@@ -101,8 +134,8 @@ class HostKVStore:
           f"{num_slots} slots x {num_layers} sparse layers) but only {avail / 2**30:.2f} GiB of "
           f"RAM is available; lower the capacity (max_seq_len), the batch size or num_tables, or "
           f"store K/V as bfloat16 or int8.")
-    self.handle = int(_pigjax_ffi.store_create(*geometry.values(), threads))
-    for name, value in geometry.items():
+    self.handle = int(_pigjax_ffi.store_create(*geometry.values(), threads, *est_cfg.values()))
+    for name, value in {**geometry, **est_cfg}.items():
       setattr(self, name, value)
     self.threads = _pigjax_ffi.store_num_threads(self.handle)
     self.isa = _pigjax_ffi.store_isa(self.handle)  # "avx2" or "scalar": the kernels in use
@@ -111,7 +144,8 @@ class HostKVStore:
   @staticmethod
   def estimate_bytes(*, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                      num_bits: int, num_tables: int, capacity: int, dtype: str = "bfloat16",
-                     threads: int = 0) -> int:
+                     threads: int = 0, estimator: str = "magicpig", proxy_bits: int = 4,
+                     proxy_fraction: float = 0.03, proxy_tail: str = "mean") -> int:
     """Worst-case bytes (every pool full, plus per-thread scratch).
 
     Raises ValueError for a geometry the store rejects, including one whose size would exceed
@@ -120,8 +154,15 @@ class HostKVStore:
     geometry = dict(num_layers=num_layers, num_slots=num_slots, num_kv_heads=num_kv_heads,
                     head_dim=head_dim, num_bits=num_bits, num_tables=num_tables,
                     capacity=capacity, dtype=dtype)
-    _check_geometry(geometry, threads)
-    return int(_pigjax_ffi.store_estimate_bytes(*geometry.values(), threads))
+    est_cfg = dict(estimator=estimator, proxy_bits=proxy_bits,
+                   proxy_fraction=float(proxy_fraction), proxy_tail=proxy_tail)
+    _check_geometry(geometry, threads, est_cfg)
+    return int(_pigjax_ffi.store_estimate_bytes(*geometry.values(), threads, *est_cfg.values()))
+
+  @property
+  def code_columns(self) -> int:
+    """Last dimension of the codes operands: num_tables, or 0 for the proxy estimator."""
+    return 0 if self.estimator == "proxy" else self.num_tables
 
   def _live(self) -> int:
     if self.handle < 0:
@@ -166,7 +207,8 @@ class HostKVStore:
   def __repr__(self) -> str:
     if self.handle < 0:
       return "HostKVStore(closed)"
-    return (f"HostKVStore(handle={self.handle}, layers={self.num_layers}, "
+    return (f"HostKVStore(handle={self.handle}, estimator={self.estimator}, "
+            f"layers={self.num_layers}, "
             f"slots={self.num_slots}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"num_bits={self.num_bits}, num_tables={self.num_tables}, "
             f"capacity={self.capacity}, dtype={self.dtype}, threads={self.threads})")
@@ -247,7 +289,8 @@ def store_insert(handle, layer: int, slots_B, k_BKTD, v_BKTD, codes_BKTL, length
   if store is not None:
     _check_shape("k", k_BKTD, (B, store.num_kv_heads, T, store.head_dim),
                  "[batch, num_kv_heads, tokens, head_dim] of the store")
-    _check_shape("codes", codes_BKTL, (B, K, T, store.num_tables), "one code per table")
+    _check_shape("codes", codes_BKTL, (B, K, T, store.code_columns),
+                 "one code per table; none for a proxy store")
   call = jax.ffi.ffi_call("pigjax_insert", jax.ShapeDtypeStruct((B,), jnp.int32),
                           has_side_effect=True)
   return call(h, slots_B.astype(jnp.int32), k_BKTD, v_BKTD, codes_BKTL.astype(jnp.int32),
@@ -287,7 +330,8 @@ def store_attend(handle, layer: int, slots_B, q_BHD, q_codes_BHL,
     if D != store.head_dim or H % store.num_kv_heads:
       raise ValueError(f"q has shape {tuple(q_BHD.shape)} but the store needs head_dim "
                        f"{store.head_dim} and a multiple of {store.num_kv_heads} query heads.")
-    _check_shape("q_codes", q_codes_BHL, (B, H, store.num_tables), "one code per table")
+    _check_shape("q_codes", q_codes_BHL, (B, H, store.code_columns),
+                 "one code per table; none for a proxy store")
   out = (jax.ShapeDtypeStruct((B, H, D), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32),
          jax.ShapeDtypeStruct((B, H), jnp.int32))
   call = jax.ffi.ffi_call("pigjax_attend", out, has_side_effect=True)

@@ -2,6 +2,13 @@
 
   .venv/bin/python scripts/bench_decode.py --out benchmarks/results.json
 
+--estimators=magicpig,proxy adds the proxy estimator (issue 12) to the SmolLM2 rows, timed
+interleaved with dense and MagicPIG (its own host store), for example:
+
+  nice -n 19 .venv/bin/python scripts/bench_decode.py --contexts=8192,32768 \
+      --estimators=magicpig,proxy --llama8b_contexts= --llamacpp_contexts= \
+      --context_source=tiled --plots= --out=benchmarks/proxy.json
+
 Writes one JSON with every measurement and the figures of BENCHMARKS.md (--plots; or redraw
 them from a JSON with --plot_only). See pigjax/bench.py for how long contexts are built.
 """
@@ -43,6 +50,8 @@ flags.DEFINE_integer("steps", 3, "Decode steps per method per round.")
 flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
 flags.DEFINE_integer("num_tables", 150, "MagicPIG L.")
 flags.DEFINE_integer("threads", 0, "Host kernel threads (0 = all cores).")
+flags.DEFINE_list("estimators", ["magicpig"], "Pool estimators timed beside dense in the SmolLM2 "
+                  "rows: magicpig (always) and optionally proxy (attention.proxy_* defaults).")
 flags.DEFINE_list("llama8b_contexts", ["32768", "131072"], "Attention-only Llama-3.1-8B shapes.")
 flags.DEFINE_integer("llama8b_layers", 2, "Layers in the attention-only configuration.")
 flags.DEFINE_list("llamacpp_contexts", ["1024", "2048", "4096"],
@@ -75,6 +84,18 @@ def smollm2(res):
                               capacity=max(contexts), dtype=a.store_dtype,
                               threads=a.threads)
   pig_engine = Engine(cfg, pipe.model, backend)
+  proxy = None
+  if "proxy" in FLAGS.estimators:
+    pcfg = dataclasses.replace(cfg, attention=dataclasses.replace(a, estimator="proxy"))
+    pbackend = MagicPigBackend(pcfg)
+    pbackend.store = HostKVStore(num_layers=len(pbackend.sparse_layers), num_slots=max(batches),
+                                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                 num_bits=a.num_bits, num_tables=a.num_tables,
+                                 capacity=max(contexts), dtype=a.store_dtype, threads=a.threads,
+                                 estimator="proxy", proxy_bits=pcfg.attention.proxy_bits,
+                                 proxy_fraction=pcfg.attention.proxy_fraction,
+                                 proxy_tail=pcfg.attention.proxy_tail)
+    proxy = (pbackend, Engine(pcfg, pipe.model, pbackend))
 
   ids = bench.prompt_ids(pipe.tokenizer, FLAGS.source_tokens)
   src, prefill_s = bench.real_prefill(dense_engine, ids)
@@ -106,8 +127,10 @@ def smollm2(res):
   for n in contexts:
     for batch in batches:
       _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, pig_engine,
-                   pipe)
+                   pipe, proxy)
   backend.store.close()
+  if proxy:
+    proxy[0].store.close()
 
 
 def make_config(max_seq_len, att):
@@ -116,19 +139,22 @@ def make_config(max_seq_len, att):
   return Config(checkpoint="smollm2", max_seq_len=max_seq_len, attention=att, **extra)
 
 
-def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, pig_engine, pipe):
-  """Dense vs MagicPIG at context n and `batch` rows, interleaved; appends a row to res."""
+def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, pig_engine, pipe,
+                 proxy=None):
+  """Dense vs MagicPIG (and the proxy estimator when proxy = (backend, engine)) at context n and
+  `batch` rows, interleaved; appends a row to res."""
   capacity = n + 256
   # Both caches live at once (they are timed interleaved). Where the f32 dense cache would not
   # fit next to the store with room to spare for the machine's other users, the dense cache
   # (and so the MagicPIG step's dense layers and exact buffer) is bfloat16; past that, skip.
   # The previous context's pool is freed first, so that it does not count against this one.
-  for slot in range(backend.store.num_slots):
-    backend.store.reset(slot)
-  store_need = HostKVStore.estimate_bytes(
+  for b in [backend] + ([proxy[0]] if proxy else []):
+    for slot in range(b.store.num_slots):
+      b.store.reset(slot)
+  store_need = sum(HostKVStore.estimate_bytes(
       num_layers=len(backend.sparse_layers), num_slots=batch, num_kv_heads=m.num_kv_heads,
       head_dim=m.head_dim, num_bits=a.num_bits, num_tables=a.num_tables, capacity=n,
-      dtype=a.store_dtype)
+      dtype=a.store_dtype, estimator=est) for est in ["magicpig"] + (["proxy"] if proxy else []))
   avail = store.available_bytes() or 1 << 50
   dtype = None
   for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
@@ -153,6 +179,10 @@ def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, p
   mem = backend.store.memory_bytes()
   fns = {"dense": bench.decode_stepper(dense_engine, dense, batch, capacity),
          "magicpig": bench.decode_stepper(pig_engine, pc, batch, capacity)}
+  if proxy:
+    ppc = bench.magicpig_cache(proxy[0], dense, n)
+    fns["proxy"] = bench.decode_stepper(proxy[1], ppc, batch, capacity)
+    del ppc
   del dense, pc
   bench.interleaved(fns, 1, 1)
   times = bench.interleaved(fns, FLAGS.rounds, FLAGS.steps, warmup=0)
@@ -172,6 +202,19 @@ def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, p
              candidate_fraction=prof["candidates"] / max(1, prof["heads"]) / (n - 68),
              profiled_step_ms=1e3 * sorted(kt["magicpig"])[len(kt["magicpig"]) // 2])
   row["speedup"] = row["dense_ms"] / row["magicpig_ms"]
+  if proxy:
+    ps = proxy[0].store
+    bench.set_profiling(ps, True)
+    bench.interleaved({"proxy": fns["proxy"]}, 1, steps, warmup=0)
+    pp = bench.kernel_profile(ps)
+    bench.set_profiling(ps, False)
+    # Rows read per query head over the pool; bytes: the index scanned plus the rows read.
+    row.update(proxy_store_bytes=ps.memory_bytes(),
+               proxy_kernel_ms_per_step=pp["attend_ns"] * 1e-6 / steps,
+               proxy_kernel_bytes_per_step=pp["bytes"] / steps,
+               proxy_read_fraction=pp["candidates"] / max(1, pp["heads"]) / (n - 68),
+               proxy_over_magicpig=row["proxy_ms"] / row["magicpig_ms"],
+               proxy_speedup=row["dense_ms"] / row["proxy_ms"])
   res["smollm2"].append(row)
   log(json.dumps(row))
   save(res)

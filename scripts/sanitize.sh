@@ -36,7 +36,7 @@ export PIGJAX_SANITIZED=1
 log="$OUT/pytest.log"
 set +e
 (cd "$OUT/site" && ../venv/bin/python -m pytest -q -p no:cacheprovider \
-   tests/test_store.py tests/test_robustness.py tests/test_fuzz.py) 2>&1 | tee "$log"
+   tests/test_store.py tests/test_store_proxy.py tests/test_robustness.py tests/test_fuzz.py) 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if grep -qE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" "$log"; then

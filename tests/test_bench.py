@@ -107,11 +107,13 @@ def test_stitched_cache_rerotates_and_caches_pieces(tiny, tmp_path):
   assert float(jnp.abs(cache.k[1][:, :, 150:]).max()) == 0.0
 
 
-def _magicpig_engine_and_prefill(tiny, seed, batch):
+def _magicpig_engine_and_prefill(tiny, seed, batch, estimator="magicpig"):
   """A MagicPIG engine (store sized for `batch` slots) and a real dense prefill of 128 random
   tokens (one row) on the tiny model."""
-  backend = MagicPigBackend(tiny.cfg)
-  engine = Engine(tiny.cfg, tiny.model, backend)
+  cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(tiny.cfg.attention,
+                                                                    estimator=estimator))
+  backend = MagicPigBackend(cfg)
+  engine = Engine(cfg, tiny.model, backend)
   dense_engine = Engine(dataclasses.replace(tiny.cfg, attention=AttentionConfig()), tiny.model)
   ids = list(np.random.default_rng(seed).integers(3, 250, 128))
   src, _ = bench.real_prefill(dense_engine, ids)
@@ -119,8 +121,9 @@ def _magicpig_engine_and_prefill(tiny, seed, batch):
   return backend, engine, src
 
 
-def test_magicpig_cache_matches_after_prefill(tiny):
-  backend, engine, src = _magicpig_engine_and_prefill(tiny, 1, 1)
+@pytest.mark.parametrize("estimator", ["magicpig", "proxy"])
+def test_magicpig_cache_matches_after_prefill(tiny, estimator):
+  backend, engine, src = _magicpig_engine_and_prefill(tiny, 1, 1, estimator)
   want = backend.after_prefill(jax.tree.map(jnp.copy, src), np.array([128], np.int32))
   want_sizes = [backend.store.num_tokens(i, 0) for i in range(2)]
   timings = {}

@@ -151,8 +151,19 @@ def test_config_default_is_the_paper_and_rejects_unknown_estimators():
       validate_attention(AttentionConfig(**bad))
 
 
-def test_ffi_backend_refuses_an_estimator_it_does_not_run():
+def test_ffi_backend_runs_the_proxy_estimator_in_a_proxy_store():
+  """estimator="proxy" on the FFI path: the backend's host store runs the proxy (no tables, no
+  code columns) with the configured bits, fraction and tail."""
+  import jax.numpy as jnp
   from pigjax.magicpig import MagicPigBackend
-  cfg = Config(attention=AttentionConfig(kind="magicpig", estimator="proxy"))
-  with pytest.raises(ValueError, match="no host kernel"):
-    MagicPigBackend(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model)))
+  cfg = Config(attention=AttentionConfig(kind="magicpig", estimator="proxy", proxy_fraction=0.05,
+                                         proxy_tail="none"))
+  be = MagicPigBackend(cfg)
+  be.create_cache(1, 256, jnp.float32)
+  s = be.store
+  try:
+    assert (s.estimator, s.code_columns, s.proxy_bits, s.proxy_fraction, s.proxy_tail) == (
+        "proxy", 0, 4, 0.05, "none")
+    assert be.stats(None)["index_bytes_per_token"] == 32.0
+  finally:
+    s.close()

@@ -151,6 +151,43 @@ def test_reference_pools_generated_tokens_like_ffi(tiny, prefilled):
     policies.PoolPolicyBackend(cfg, "quest", n_pages=2, pool_generated=True)
 
 
+@pytest.mark.parametrize("tail", ["mean", "none"])
+def test_proxy_reference_agrees_with_ffi(tiny, prefilled, tail):
+  """estimator="proxy": the host store's kernel (MagicPigBackend) and the jnp reference
+  (PoolPolicyBackend) agree on every decode step's output and count the same rows read."""
+  runner, dense, feed, want = prefilled
+  cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(
+      tiny.cfg.attention, kind="magicpig", estimator="proxy", proxy_fraction=0.1, proxy_tail=tail))
+  ref_be, ffi_be = policies.PoolPolicyBackend(cfg, "magicpig"), MagicPigBackend(cfg)
+  ref, ref_cache = _run(runner, ref_be, dense, feed)
+  ffi, ffi_cache = _run(runner, ffi_be, dense, feed)
+  np.testing.assert_allclose(ffi, ref, atol=2e-4)
+  assert np.abs(ffi - want).max() > 1e-4  # a tenth of the pool is not dense
+  pool = 150 - SINK - WINDOW
+  for be, cache in [(ref_be, ref_cache), (ffi_be, ffi_cache)]:
+    assert be.stats(cache)["pool_fraction"] == pytest.approx(math.ceil(0.1 * pool) / pool)
+
+
+def test_proxy_ffi_greedy_decode_equals_reference(tiny):
+  """Greedy decoding through the engine: the FFI proxy path picks the reference's tokens, with a
+  generated buffer small enough that generated keys are appended to the pool (the reference
+  keeps them exact, so only the tokens before the first append are compared exactly)."""
+  sc = SamplingConfig(max_new_tokens=8)
+  prompts = [list(np.random.default_rng(3).integers(3, 250, 140))]
+  cfg = dataclasses.replace(tiny.cfg, attention=dataclasses.replace(
+      tiny.cfg.attention, kind="magicpig", estimator="proxy", proxy_fraction=0.1))
+  want, _, _ = Engine(cfg, tiny.model, policies.PoolPolicyBackend(cfg, "magicpig")).generate(
+      prompts, sc)
+  got, _, stats = Engine(cfg, tiny.model, MagicPigBackend(cfg)).generate(prompts, sc)
+  assert got == want
+  small = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention,
+                                                                 generated_buffer=4))
+  be = MagicPigBackend(small)
+  got2, _, _ = Engine(small, tiny.model, be).generate(prompts, sc)
+  assert got2[0][:5] == want[0][:5] and len(got2[0]) == len(want[0])
+  assert be.store.num_tokens(0, 0) > 140 - SINK - WINDOW  # generated keys joined the pool
+
+
 def test_probe_mode_keeps_dense_activations(tiny, prefilled):
   runner, dense, feed, want = prefilled
   be = policies.PoolPolicyBackend(tiny.cfg, "streaming")

@@ -169,9 +169,9 @@ def test_serving_refuses_a_mesh():
     SlotBatch(cfg, None, slots=2, cache_len=64)
 
 
-def test_reference_estimators_are_refused_on_a_mesh():
+def test_proxy_estimator_is_refused_on_a_mesh():
   from pigjax.config import AttentionConfig
   cfg = Config(mesh=MeshConfig(data=2, model=1),
                attention=AttentionConfig(kind="magicpig", estimator="proxy"))
-  with pytest.raises(ValueError, match="estimator='proxy' runs a one-device reference"):
+  with pytest.raises(ValueError, match="estimator='proxy' runs on one device"):
     pipeline.make_backend(cfg)

@@ -253,7 +253,9 @@ static std::pair<double, double> StreamBandwidth(int64_t bytes, int threads, int
 
 static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_heads,
                                       int head_dim, int num_bits, int num_tables,
-                                      int64_t capacity, const std::string& dtype, int threads) {
+                                      int64_t capacity, const std::string& dtype, int threads,
+                                      const std::string& estimator, int proxy_bits,
+                                      float proxy_fraction, const std::string& proxy_tail) {
   pigjax::StoreConfig c;
   c.num_layers = num_layers;
   c.num_slots = num_slots;
@@ -273,6 +275,20 @@ static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_
     throw std::invalid_argument("store dtype must be 'bfloat16', 'float32' or 'int8', got '" +
                                 dtype + "'.");
   }
+  if (estimator == "magicpig") {
+    c.estimator = pigjax::Estimator::kMagicPig;
+  } else if (estimator == "proxy") {
+    c.estimator = pigjax::Estimator::kProxy;
+  } else {
+    throw std::invalid_argument("store estimator must be 'magicpig' or 'proxy', got '" +
+                                estimator + "'.");
+  }
+  if (proxy_tail != "mean" && proxy_tail != "none") {
+    throw std::invalid_argument("proxy_tail must be 'mean' or 'none', got '" + proxy_tail + "'.");
+  }
+  c.proxy_bits = proxy_bits;
+  c.proxy_fraction = proxy_fraction;
+  c.proxy_tail = proxy_tail == "mean";
   if (auto e = pigjax::CheckConfig(c); !e.empty()) throw std::invalid_argument(e);
   return c;
 }
@@ -300,16 +316,22 @@ NB_MODULE(_pigjax_ffi, m) {
   pigjax::DefineQuantFunctions(m);
   m.def("store_estimate_bytes",
         [](int num_layers, int num_slots, int num_kv_heads, int head_dim, int num_bits,
-           int num_tables, int64_t capacity, const std::string& dtype, int threads) {
+           int num_tables, int64_t capacity, const std::string& dtype, int threads,
+           const std::string& estimator, int proxy_bits, float proxy_fraction,
+           const std::string& proxy_tail) {
           return pigjax::EstimateBytes(MakeConfig(num_layers, num_slots, num_kv_heads, head_dim,
                                                   num_bits, num_tables, capacity, dtype,
-                                                  threads));
+                                                  threads, estimator, proxy_bits, proxy_fraction,
+                                                  proxy_tail));
         });
   m.def("store_create",
         [](int num_layers, int num_slots, int num_kv_heads, int head_dim, int num_bits,
-           int num_tables, int64_t capacity, const std::string& dtype, int threads) {
+           int num_tables, int64_t capacity, const std::string& dtype, int threads,
+           const std::string& estimator, int proxy_bits, float proxy_fraction,
+           const std::string& proxy_tail) {
           auto c = MakeConfig(num_layers, num_slots, num_kv_heads, head_dim, num_bits,
-                              num_tables, capacity, dtype, threads);
+                              num_tables, capacity, dtype, threads, estimator, proxy_bits,
+                              proxy_fraction, proxy_tail);
           return pigjax::Registry::Get().Add(std::make_shared<pigjax::Store>(c));
         });
   m.def("store_free", [](int64_t h) { return pigjax::Registry::Get().Remove(h); });

@@ -465,8 +465,22 @@ inline VecOps ScalarVecOps() {
                 &scalar::LogUs};
 }
 
-// The best primitives this CPU supports. PIGJAX_KERNELS=scalar in the environment forces the
-// portable fallback (for tests and for comparing the two).
+// Whether to run the AVX2+FMA kernels: the CPU has them and PIGJAX_KERNELS=scalar is not set in
+// the environment (it forces the portable fallback, for tests and for comparing the two).
+inline bool UseAvx2() {
+#ifdef PIGJAX_X86
+  static const bool has_avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  const char* force = std::getenv("PIGJAX_KERNELS");
+  return has_avx2 && !(force && std::strcmp(force, "scalar") == 0);
+#else
+  return false;
+#endif
+}
+
+// The best primitives this CPU supports (see UseAvx2).
 inline const VecOps& GetVecOps() {
   static const VecOps scalar_ops = ScalarVecOps();
 #ifdef PIGJAX_X86
@@ -474,12 +488,7 @@ inline const VecOps& GetVecOps() {
                                &avx2::Axpy<bf16>, &avx2::Dot<int8_t>, &avx2::Axpy<int8_t>,
                                &avx2::Scores, &avx2::ExpSum,
                                &avx2::ScanMarks, &avx2::LogUs};
-  static const bool has_avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  const char* force = std::getenv("PIGJAX_KERNELS");
-  if (has_avx2 && !(force && std::strcmp(force, "scalar") == 0)) return avx2_ops;
+  if (UseAvx2()) return avx2_ops;
 #endif
   return scalar_ops;
 }

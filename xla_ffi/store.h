@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "xla_ffi/kernels.h"
+#include "xla_ffi/proxy.h"
 #include "xla_ffi/thread_pool.h"
 
 namespace pigjax {
@@ -51,6 +52,10 @@ std::string ShapeStr(const std::array<int64_t, N>& s) {
   return os.str();
 }
 
+// The pool estimator a store runs (config.ESTIMATORS): the paper's LSH sampling, or the proxy
+// index + exact top rows + mean-V tail (proxy.h, pigjax/estimators.py).
+enum class Estimator { kMagicPig, kProxy };
+
 struct StoreConfig {
   int num_layers = 0;    // sparse layers
   int num_slots = 0;     // batch slots
@@ -61,7 +66,17 @@ struct StoreConfig {
   int64_t capacity = 0;  // max pool tokens per (layer, slot)
   DType dtype = DType::kBf16;
   int threads = 0;       // 0 = std::thread::hardware_concurrency()
+  Estimator estimator = Estimator::kMagicPig;
+  // Proxy only (the tables are not built; codes operands have 0 tables):
+  int proxy_bits = 4;           // bits per channel of the index, 1..8
+  float proxy_fraction = 0.03f;  // rows read exactly: ceil(fraction * pool)
+  bool proxy_tail = true;       // estimate the unread rows ("mean") or drop them ("none")
 };
+
+// Code columns the insert and attend operands carry: one per table, none for the proxy.
+inline int64_t CodeColumns(const StoreConfig& c) {
+  return c.estimator == Estimator::kProxy ? 0 : c.num_tables;
+}
 
 // Most worker threads a store may have. More than this buys nothing on any current host (the
 // kernels are memory-bound) and only risks running out of address space for thread stacks.
@@ -77,9 +92,10 @@ inline int ResolveThreads(int threads) {
 
 // Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
 // Cannot overflow: capacity < 2^31, head_dim < 2^31, num_bits <= 24.
+// The proxy adds a selection buffer of capacity floats.
 inline uint64_t ScratchBytes(const StoreConfig& c) {
-  return uint64_t(c.capacity) * 5 + uint64_t(kAttentionScratch + c.head_dim) * 4 +
-         ((uint64_t{1} << c.num_bits) + 1) * 4;
+  return uint64_t(c.capacity) * (c.estimator == Estimator::kProxy ? 9 : 5) +
+         uint64_t(kAttentionScratch + c.head_dim) * 4 + ((uint64_t{1} << c.num_bits) + 1) * 4;
 }
 
 struct HeadPool;
@@ -105,6 +121,14 @@ inline std::string CheckConfig(const StoreConfig& c) {
   }
   if (c.capacity < 1 || c.capacity > int64_t{0x7fffffff}) {
     return Str("capacity must be in [1, 2^31 - 1] tokens, got ", c.capacity, ".");
+  }
+  if (c.estimator == Estimator::kProxy) {
+    if (c.proxy_bits < 1 || c.proxy_bits > 8) {
+      return Str("proxy_bits must be in [1, 8], got ", c.proxy_bits, ".");
+    }
+    if (!(c.proxy_fraction > 0.f && c.proxy_fraction <= 1.f)) {
+      return Str("proxy_fraction must be in (0, 1], got ", c.proxy_fraction, ".");
+    }
   }
   if (c.threads < 0 || c.threads > kMaxThreads) {
     return Str("threads must be in [0, ", kMaxThreads, "] (0 = all hardware threads, here ",
@@ -136,9 +160,16 @@ struct HeadPool {
   std::vector<float> mu;                  // [D]
   std::vector<int32_t> offsets;           // [L, 2^K + 1]: bucket starts per table
   std::vector<std::vector<int32_t>> ids;  // [L][n]: token ids sorted by bucket per table
+  // Proxy estimator only (then offsets and ids stay empty): the index and its statistics, set
+  // by the pool's first insert and kept for every later one (appended keys are coded with them,
+  // clamped: estimators.quantize_with_stats), and the sum of V for the tail's mean V.
+  std::vector<uint8_t> codes;             // [n, ProxyLayout::bytes]
+  std::vector<float> lo, step;            // [D]
+  std::vector<double> v_sum;              // [D]
 
   uint64_t Bytes() const {
-    uint64_t b = rows.capacity() + 4 * (mu.capacity() + offsets.capacity());
+    uint64_t b = rows.capacity() + 4 * (mu.capacity() + offsets.capacity()) + codes.capacity() +
+                 4 * (lo.capacity() + step.capacity()) + 8 * v_sum.capacity();
     for (const auto& t : ids) b += 4 * t.capacity();
     return b;
   }
@@ -163,8 +194,11 @@ inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out) {
   // offsets and ids. RowBytes cannot overflow: head_dim < 2^31 and elements are <= 4 bytes.
   const uint64_t row_bytes = static_cast<uint64_t>(RowBytes(int64_t{c.head_dim},
                                                             DTypeSize(c.dtype)));
-  const uint64_t per_head = add(add(mul(cap, row_bytes), d * 4),
-                                mul(tables, buckets * 4 + cap * 4));
+  const uint64_t index = c.estimator == Estimator::kProxy
+                             ? add(mul(cap, uint64_t(ProxyLayout(c.proxy_bits, c.head_dim).bytes)),
+                                   d * 16)
+                             : mul(tables, buckets * 4 + cap * 4);
+  const uint64_t per_head = add(add(mul(cap, row_bytes), d * 4), index);
   const uint64_t pools = mul(mul(uint64_t(c.num_layers), uint64_t(c.num_slots)),
                              uint64_t(c.num_kv_heads));
   const uint64_t total = add(add(mul(per_head, pools), mul(pools, sizeof(HeadPool))),
@@ -249,6 +283,8 @@ class Store {
   explicit Store(const StoreConfig& c)
       : cfg_(Checked(c)),
         ops_(GetVecOps()),
+        proxy_ops_(GetProxyOps()),
+        layout_(c.proxy_bits, c.head_dim),
         log_u_(c.num_bits, c.num_tables),
         workers_(ResolveThreads(c.threads)),
         pools_(size_t(c.num_layers) * c.num_slots * c.num_kv_heads),
@@ -294,7 +330,9 @@ class Store {
     for (const auto& p : pools_) b += p.Bytes();
     for (const auto& s : scratch_) b += s.Bytes();
     for (const auto& c : item_cand_) b += 4 * c.capacity();
-    b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity());
+    b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity() +
+              item_w_.capacity() + item_bias_.capacity() + item_tail_.capacity() +
+              score_.capacity());
     return b;
   }
 
@@ -329,9 +367,11 @@ class Store {
     CollisionCounter counter;
     std::vector<float> score;
     std::vector<int32_t> bucket;  // [2^K + 1]
+    std::vector<float> select;    // proxy: KthLargest's buffer [pool]
     Profile prof;
     uint64_t Bytes() const {
-      return counter.mark.capacity() + 4 * (score.capacity() + bucket.capacity());
+      return counter.mark.capacity() +
+             4 * (score.capacity() + bucket.capacity() + select.capacity());
     }
   };
 
@@ -342,6 +382,8 @@ class Store {
   void CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
   void AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, int t, int64_t n0, int64_t len,
                      Scratch& s);
+  void IndexTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
+  std::string AttendProxy(const AttendArgs& a, bool inline_only);
 
   // Two-phase attend (see Attend): per query head its f32 query and candidates; the pieces of
   // candidates and their partial softmax sums (o [D], then m and z).
@@ -351,12 +393,17 @@ class Store {
   std::vector<std::vector<int32_t>> item_cand_;
   std::vector<float> item_q_, piece_o_, piece_mz_;
   std::vector<Piece> pieces_;
+  // Proxy attend: per query head the scan weights [padded] and bias, its tail's lse, and the
+  // proxy scores of every pool token ([items, max pool]).
+  std::vector<float> item_w_, item_bias_, item_tail_, score_;
 
   std::mutex mu_;  // one call at a time: calls mutate pools and share the scratch
   bool profiling_ = false;
   Profile prof_;  // call-level counters (wall time of whole calls)
   const StoreConfig cfg_;
   const VecOps& ops_;
+  const ProxyOps& proxy_ops_;
+  const ProxyLayout layout_;
   const LogCollisionTable log_u_;
   ThreadPool workers_;
   std::vector<HeadPool> pools_;
@@ -372,12 +419,18 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
   const int64_t n0 = p.n, n1 = n0 + len, limit = cfg_.capacity;
   const int64_t rb = RowBytes(d, sizeof(T));
   GrowTo(p.rows, n1 * rb, limit * rb);
-  p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
-  if (p.offsets.empty()) {
-    p.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
-    p.ids.resize(cfg_.num_tables);
+  if (cfg_.estimator == Estimator::kProxy) {
+    // The index was centred on the first insert's mu: later keys must be centred on it too.
+    if (n0 == 0) p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
+    IndexTokens(a, b, kvh, p, len);
+  } else {
+    p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
+    if (p.offsets.empty()) {
+      p.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
+      p.ids.resize(cfg_.num_tables);
+    }
+    for (auto& ids : p.ids) GrowTo(ids, n1, limit);  // allocate here so the table pass cannot fail
   }
-  for (auto& ids : p.ids) GrowTo(ids, n1, limit);  // allocate here so the table pass cannot fail
 
   std::vector<float> kf(d), vf(d);
   const int64_t src0 = (b * hkv + kvh) * tt * d;
@@ -514,10 +567,12 @@ inline std::string Store::Insert(const InsertArgs& a) {
     return Str("store_insert: v has shape ", ShapeStr(a.v_shape), " but k has shape ",
                ShapeStr(a.k_shape), ".");
   }
-  const std::array<int64_t, 4> want_codes{bsz, c.num_kv_heads, tt, c.num_tables};
+  const int64_t nt = CodeColumns(c);
+  const std::array<int64_t, 4> want_codes{bsz, c.num_kv_heads, tt, nt};
   if (a.codes_shape != want_codes) {
     return Str("store_insert: codes has shape ", ShapeStr(a.codes_shape), " but expected ",
-               ShapeStr(want_codes), " ([batch, num_kv_heads, tokens, num_tables]).");
+               ShapeStr(want_codes), " ([batch, num_kv_heads, tokens, num_tables]",
+               nt == 0 ? "; the proxy estimator's store takes no codes" : "", ").");
   }
   const std::array<int64_t, 3> want_mu{bsz, c.num_kv_heads, c.head_dim};
   if (a.mu_shape != want_mu) {
@@ -549,12 +604,11 @@ inline std::string Store::Insert(const InsertArgs& a) {
                  c.capacity, " tokens.");
     }
     for (int64_t h = 0; h < c.num_kv_heads; ++h) {
-      const int32_t* codes = a.codes + (b * c.num_kv_heads + h) * tt * c.num_tables;
-      for (int64_t j = 0; j < len * c.num_tables; ++j) {
+      const int32_t* codes = a.codes + (b * c.num_kv_heads + h) * tt * nt;
+      for (int64_t j = 0; j < len * nt; ++j) {
         if (codes[j] < 0 || codes[j] >= nb) {
           return Str("store_insert: code ", codes[j], " (row ", b, ", kv head ", h, ", token ",
-                     j / c.num_tables, ", table ", j % c.num_tables, ") is outside [0, 2^",
-                     c.num_bits, ").");
+                     j / nt, ", table ", j % nt, ") is outside [0, 2^", c.num_bits, ").");
         }
       }
       // Only the first len tokens are read; the rest of the row may hold anything.
@@ -598,7 +652,7 @@ inline std::string Store::Insert(const InsertArgs& a) {
   } catch (const std::bad_alloc&) {
     return Str("store_insert: out of host memory while growing layer ", a.layer, "'s pools.");
   }
-  workers_.ParallelFor(bsz * hkv * c.num_tables, [&](int64_t i, int w) {
+  workers_.ParallelFor(bsz * hkv * nt, [&](int64_t i, int w) {
     const int64_t b = i / (hkv * c.num_tables), h = (i / c.num_tables) % hkv;
     const int t = static_cast<int>(i % c.num_tables);
     if (a.lengths[b] > 0) AppendToTable(a, b, h, t, n0[b], a.lengths[b], scratch_[w]);
@@ -626,21 +680,22 @@ inline std::string Store::Attend(const AttendArgs& a) {
                ", a multiple of ", c.num_kv_heads, " query heads, ", d,
                "] ([batch, num_q_heads, head_dim]).");
   }
-  const std::array<int64_t, 3> want_codes{bsz, hq, c.num_tables};
+  const int64_t nt = CodeColumns(c);
+  const std::array<int64_t, 3> want_codes{bsz, hq, nt};
   if (a.codes_shape != want_codes) {
     return Str("store_attend: q_codes has shape ", ShapeStr(a.codes_shape), " but expected ",
-               ShapeStr(want_codes), " ([batch, num_q_heads, num_tables]).");
+               ShapeStr(want_codes), " ([batch, num_q_heads, num_tables]",
+               nt == 0 ? "; the proxy estimator's store takes no codes" : "", ").");
   }
   const std::array<int64_t, 2> want_bh{bsz, hq};
   if (a.o_shape != a.q_shape || a.lse_shape != want_bh || a.count_shape != want_bh) {
     return "store_attend: result shapes do not match q.";
   }
   const int64_t nb = int64_t{1} << c.num_bits;
-  for (int64_t i = 0; i < bsz * hq * c.num_tables; ++i) {
+  for (int64_t i = 0; i < bsz * hq * nt; ++i) {
     if (a.codes[i] < 0 || a.codes[i] >= nb) {
-      return Str("store_attend: query code ", a.codes[i], " (row ", i / (hq * c.num_tables),
-                 ", head ", (i / c.num_tables) % hq, ", table ", i % c.num_tables,
-                 ") is outside [0, 2^", c.num_bits, ").");
+      return Str("store_attend: query code ", a.codes[i], " (row ", i / (hq * nt), ", head ",
+                 (i / nt) % hq, ", table ", i % nt, ") is outside [0, 2^", c.num_bits, ").");
     }
   }
   if (const int64_t bad = FirstNonFinite(a.q, a.q_dtype, bsz * hq * d); bad >= 0) {
@@ -662,6 +717,14 @@ inline std::string Store::Attend(const AttendArgs& a) {
   // piece order) whichever thread runs them, so a row's output is bitwise independent of the
   // other rows of the call (a serving batch must not change a request's tokens).
   const bool inline_only = work < kMinParallelWork || workers_.size() < 2;
+  if (c.estimator == Estimator::kProxy) {
+    const std::string e = AttendProxy(a, inline_only);
+    if (prof) {
+      prof_.attend_calls += 1;
+      prof_.attend_ns += NowNs() - call_t0;
+    }
+    return e;
+  }
   try {
     for (auto& s : scratch_) {
       s.counter.Reserve(max_n);
@@ -773,6 +836,12 @@ inline std::string Store::Attend(const AttendArgs& a) {
   }
   return "";
 }
+
+}  // namespace pigjax
+
+#include "xla_ffi/store_proxy.h"
+
+namespace pigjax {
 
 // ---------------------------------------------------------------------------------------------
 // Handle registry: Python and the FFI handlers refer to stores by an int32 handle.

@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pigjax import attention, lsh
+from pigjax import attention
 from pigjax.engine import DenseBackend
 from pigjax.magicpig import MagicPigBackend, MagicPigCache, _shift_generated
 from pigjax.store import store_insert
@@ -81,8 +81,7 @@ class RowMagicPigBackend(MagicPigBackend):
         gen_count=jnp.zeros((batch,), jnp.int32),
         mu=tuple(jnp.zeros((batch, m.num_kv_heads, m.head_dim), jnp.float32) if s else None
                  for s in sparse),
-        w=tuple(lsh.simhash_matrix(a.seed, l, m.head_dim, a.num_bits, a.num_tables,
-                                   a.per_layer_hash) if s else None for l, s in enumerate(sparse)),
+        w=tuple(self._hash_matrix(l) if s else None for l, s in enumerate(sparse)),
         pool_len_B=jnp.zeros((batch,), jnp.int32),
         handle=jnp.int32(self.store.handle if self.store is not None else -1),
         cand_total=jnp.zeros((batch,), jnp.float32), pool_total=jnp.zeros((batch,), jnp.float32))
@@ -153,8 +152,7 @@ class RowMagicPigBackend(MagicPigBackend):
     out_len_B = cache.pool_len_B
     for layer, idx in self.store_index.items():
       old_k, old_v = k[layer][:, :, exact:exact + E], v[layer][:, :, exact:exact + E]
-      codes = lsh.hash_codes(old_k.astype(jnp.float32) - cache.mu[layer][:, :, None],
-                             cache.w[layer], a.num_bits, a.num_tables)
+      codes = self._append_codes(old_k, cache.mu[layer], cache.w[layer])
       out_len_B = jnp.maximum(out_len_B, store_insert(
           cache.handle, idx, jnp.arange(B, dtype=jnp.int32), old_k, old_v, codes, insert_B,
           cache.mu[layer]))
