@@ -35,7 +35,7 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export PIGJAX_SANITIZED=1
 log="$OUT/pytest.log"
 set +e
-(cd "$OUT/site" && ../venv/bin/python -m pytest -q -p no:cacheprovider \
+(cd "$OUT/site" && ../venv/bin/python -m pytest -q -n 0 -p no:cacheprovider \
    tests/test_store.py tests/test_store_proxy.py tests/test_robustness.py tests/test_fuzz.py) 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e

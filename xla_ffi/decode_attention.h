@@ -60,11 +60,13 @@ void ChunkPartial(const VecOps& ops, const float* q_GD, int64_t group, const T* 
 }
 
 #ifdef PIGJAX_X86
+// kernels.h undefines its PIGJAX_DECODE_AVX2 at the end of its avx2 namespace; this header has its own.
+#define PIGJAX_DECODE_AVX2 __attribute__((target("avx2,fma")))
 namespace avx2 {
 using pigjax::avx2::Load8;
 
 // Eight dot products in one vector: lane j = the horizontal sum of a[j] (the classic hadd tree).
-PIGJAX_AVX2 inline __m256 HSum8(const __m256* a) {
+PIGJAX_DECODE_AVX2 inline __m256 HSum8(const __m256* a) {
   const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
@@ -74,7 +76,7 @@ PIGJAX_AVX2 inline __m256 HSum8(const __m256* a) {
 // scores[t] = q . k_t for rows t of k_SD (row stride d, d % 8 == 0), eight rows per pass so one
 // hadd tree replaces eight horizontal sums.
 template <typename T>
-PIGJAX_AVX2 void Scores(const float* q, const T* k_SD, int64_t d, int64_t n, float* scores) {
+PIGJAX_DECODE_AVX2 void Scores(const float* q, const T* k_SD, int64_t d, int64_t n, float* scores) {
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
     __m256 acc[8];
@@ -90,7 +92,7 @@ PIGJAX_AVX2 void Scores(const float* q, const T* k_SD, int64_t d, int64_t n, flo
 
 // out[0:8*NV] += sum_t w[t] v_t[0:8*NV]: the NV accumulators stay in registers across the rows.
 template <int NV, typename T>
-PIGJAX_AVX2 void WeightedSum(const float* w, const T* v, int64_t d, int64_t n, float* out) {
+PIGJAX_DECODE_AVX2 void WeightedSum(const float* w, const T* v, int64_t d, int64_t n, float* out) {
   __m256 acc[NV];
   for (int s = 0; s < NV; ++s) acc[s] = _mm256_loadu_ps(out + 8 * s);
   for (int64_t t = 0; t < n; ++t) {
@@ -101,7 +103,7 @@ PIGJAX_AVX2 void WeightedSum(const float* w, const T* v, int64_t d, int64_t n, f
 }
 
 template <typename T>
-PIGJAX_AVX2 void WeightedSumRows(const float* w, const T* v_SD, int64_t d, int64_t n, float* out) {
+PIGJAX_DECODE_AVX2 void WeightedSumRows(const float* w, const T* v_SD, int64_t d, int64_t n, float* out) {
   for (int64_t i = 0; i < d; i += 64) {  // 64 lanes (8 registers) at a time
     const T* v = v_SD + i;
     switch (std::min<int64_t>(d - i, 64) / 8) {
@@ -121,7 +123,7 @@ PIGJAX_AVX2 void WeightedSumRows(const float* w, const T* v_SD, int64_t d, int64
 // weighted V sum in registers; the chunk's K and V (at most 128 KiB) stay in L2 across the G
 // heads that share them.
 template <typename T>
-PIGJAX_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD, const T* v_SD,
+PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD, const T* v_SD,
                               int64_t d, int64_t t0, int64_t t1, float* scores, float* out) {
   const int64_t n = t1 - t0;
   for (int64_t g = 0; g < group; ++g) {
@@ -140,6 +142,7 @@ PIGJAX_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD, c
   }
 }
 }  // namespace avx2
+#undef PIGJAX_DECODE_AVX2
 #endif  // PIGJAX_X86
 
 // o_BHD[b, k * G + g] = softmax(q . K[b, k, :len_b] / sqrt(D)) V[b, k, :len_b], and lse_BH its
