@@ -2,29 +2,17 @@
 against the jnp reference `attention.attend_with_lse`, its operand checks, and the engine's
 greedy output with it against the jnp decode path."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import _pigjax_ffi, attention, host_attention
+from pigjax import attention, host_attention
 from pigjax.config import AttentionConfig, Config, MeshConfig, ModelConfig, SamplingConfig
 from pigjax.engine import DenseBackend, Engine
 from pigjax.model import from_hf_tensors
+from tests.test_quant import kernel  # noqa: F401  (the fixture: each kernel path, avx2 and scalar)
 from tests.tiny_checkpoint import tiny_llama_tensors
-
-
-@pytest.fixture(params=["avx2", "scalar"])
-def kernel(request, monkeypatch):
-  """Runs a test with each kernel path (PIGJAX_KERNELS=scalar forces the portable one)."""
-  if request.param == "scalar":
-    monkeypatch.setenv("PIGJAX_KERNELS", "scalar")
-  else:
-    monkeypatch.delenv("PIGJAX_KERNELS", raising=False)
-  if _pigjax_ffi.quant_isa() != request.param:
-    pytest.skip(f"this CPU has no {request.param} path")
-  return request.param
 
 
 def _reference(q_BHD, k_BKSD, v_BKSD, lengths_B):
