@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
+from pigjax import placement
 from pigjax.config import DECODE_KERNELS, Config
 
 
@@ -38,7 +39,7 @@ def use_host_kernel(cfg: Config) -> bool:
     raise ValueError("attention.decode_kernel='host' runs on one device only; on a mesh use "
                      "'auto' or 'xla'.")
   if a.decode_kernel == "auto":
-    return not on_mesh and (jax.default_backend() == "cpu" or a.kind == "magicpig")
+    return not on_mesh and placement.decode_runs_on_cpu(a.kind)
   return a.decode_kernel == "host"
 
 

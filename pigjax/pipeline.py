@@ -77,12 +77,6 @@ def load_model_and_tokenizer(spec: str, progress: bool = True,
   return model_cfg, tensors, tokenizer, {}
 
 
-def _decode_runs_on_cpu(cfg: Config) -> bool:
-  """Whether the decode step will run on the CPU: jax's default, or MagicPIG (placed there)."""
-  import jax
-  return jax.default_backend() == "cpu" or cfg.attention.kind == "magicpig"
-
-
 def resolve_weights(cfg: Config) -> str:
   """The decode-step weight format `cfg.weights` stands for: "auto" is a GGUF checkpoint's own
   blocks ("gguf") when the decode step runs on the CPU (the quantized kernel is a CPU FFI
@@ -96,8 +90,9 @@ def resolve_weights(cfg: Config) -> str:
                        "use --config.weights=dense (auto picks dense there).")
     return "dense"
   if cfg.weights == "auto":
-    return "gguf" if _is_gguf(cfg.checkpoint) and _decode_runs_on_cpu(cfg) else "dense"
-  if cfg.weights != "dense" and not _decode_runs_on_cpu(cfg):
+    on_cpu = placement.decode_runs_on_cpu(cfg.attention.kind)
+    return "gguf" if _is_gguf(cfg.checkpoint) and on_cpu else "dense"
+  if cfg.weights != "dense" and not placement.decode_runs_on_cpu(cfg.attention.kind):
     raise ValueError(f"weights={cfg.weights!r} runs the decode matmuls in a CPU kernel, but jax's "
                      "default device is not the CPU; use --config.weights=dense (or auto) there.")
   if cfg.weights == "gguf" and not _is_gguf(cfg.checkpoint):

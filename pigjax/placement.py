@@ -14,6 +14,12 @@ import sys
 from typing import Sequence
 
 
+def decode_runs_on_cpu(attention_kind: str) -> bool:
+  """Whether the decode step runs on the CPU: jax's default, or MagicPIG (placed there)."""
+  import jax
+  return jax.default_backend() == "cpu" or attention_kind == "magicpig"
+
+
 def host_store_platform(attention_kind: str, default_platform: str,
                         platforms: Sequence[str]) -> str | None:
   """The platform MagicPIG's programs must be moved to, or None to keep jax's default.
