@@ -55,3 +55,16 @@ def decode_attend(q_BHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array,
   out = (jax.ShapeDtypeStruct((B, H, D), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
   return jax.ffi.ffi_call("pigjax_decode_attend", out)(
       q_BHD.astype(jnp.float32), k_BKSD, v_BKSD, lengths_B.astype(jnp.int32))
+
+
+def decode_attend_masked(q_BHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array,
+                         valid_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`decode_attend` over the cache rows that valid_BS marks (any rows, not a prefix): MagicPIG's
+  exact buffer (sink, window, generated tokens), whose unused entries lie between used ones.
+  Same results as `attention.attend_with_lse(q[:, None], k, v, valid_BS[:, None])` at T = 1."""
+  B, H, D = q_BHD.shape
+  S = k_BKSD.shape[2]
+  out = (jax.ShapeDtypeStruct((B, H, D), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32))
+  return jax.ffi.ffi_call("pigjax_decode_attend_masked", out)(
+      q_BHD.astype(jnp.float32), k_BKSD, v_BKSD, jnp.full((B,), S, jnp.int32),
+      valid_BS.astype(jnp.int8))

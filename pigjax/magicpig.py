@@ -199,16 +199,21 @@ class MagicPigBackend:
     """Exact attention over the buffer (sink, window, generated) merged with the store's
     estimate over the pool; returns o [B, H, D] and the candidates counted per row and head."""
     a = self.cfg.attention
-    o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKXD, v_BKXD,
-                                                      (exact_pos_BX >= 0)[:, None])
     q_BHD = q_BTHD[:, 0]
+    if self.host_decode:  # the host kernel: XLA ran this small masked attention as ~10 ops
+      o_ex_BHD, lse_ex_BH = host_attention.decode_attend_masked(q_BHD, k_BKXD, v_BKXD,
+                                                                exact_pos_BX >= 0)
+    else:
+      o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKXD, v_BKXD,
+                                                        (exact_pos_BX >= 0)[:, None])
+      o_ex_BHD, lse_ex_BH = o_ex_BTHD[:, 0], lse_ex_BTH[:, 0]
     if self.proxy:  # the proxy store scans its index: no codes
       qcodes_BHL = jnp.zeros(q_BHD.shape[:2] + (0,), jnp.int32)
     else:
       qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
     o_pool_BHD, lse_pool_BH, count_BH = self.sharding.store_attend(
         cache.handle, self.store_index[layer], q_BHD, qcodes_BHL, cache.pool_len_B)
-    o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
+    o_BHD, _ = lsh.merge_attention(o_ex_BHD, lse_ex_BH, o_pool_BHD, lse_pool_BH)
     return o_BHD, count_BH
 
   # -- jitted host-store maintenance --------------------------------------------------------

@@ -34,14 +34,25 @@ struct Shape {
 };
 
 // One chunk's partial result for its G query heads: m (running max of the scaled scores), l (sum
-// of exp(s - m)) and acc (sum of exp(s - m) v), laid out [G][2 + D].
-template <typename T>
+// of exp(s - m)) and acc (sum of exp(s - m) v), laid out [G][2 + D]. The chunk is n rows,
+// row(t) being the cache row of its t-th: [t0, t1) of the cache, or the rows of [t0, t1) that
+// a validity mask keeps (masked rows are never read). n == 0 gives (-inf, 0, 0), which the
+// merge skips.
+inline void EmptyPartials(int64_t group, int64_t d, float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = out + g * (2 + d);
+    o[0] = -std::numeric_limits<float>::infinity();
+    std::fill(o + 1, o + 2 + d, 0.0f);
+  }
+}
+
+template <typename T, typename RowOf>
 void ChunkPartial(const VecOps& ops, const float* q_GD, int64_t group, const T* k_SD,
-                  const T* v_SD, int64_t d, int64_t t0, int64_t t1, float* scores, float* out) {
-  const int64_t n = t1 - t0;
+                  const T* v_SD, int64_t d, int64_t n, RowOf row, float* scores, float* out) {
+  if (n == 0) return EmptyPartials(group, d, out);
   // Scores row-major over rows (each K row is loaded once and serves all G heads), stored [g][t].
   for (int64_t t = 0; t < n; ++t) {
-    const T* k = k_SD + (t0 + t) * d;
+    const T* k = k_SD + row(t) * d;
     for (int64_t g = 0; g < group; ++g) scores[g * n + t] = ops.Dot(q_GD + g * d, k, d);
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -54,81 +65,29 @@ void ChunkPartial(const VecOps& ops, const float* q_GD, int64_t group, const T* 
     std::fill(o + 2, o + 2 + d, 0.0f);
   }
   for (int64_t t = 0; t < n; ++t) {
-    const T* v = v_SD + (t0 + t) * d;
+    const T* v = v_SD + row(t) * d;
     for (int64_t g = 0; g < group; ++g) ops.Axpy(scores[g * n + t], v, out + g * (2 + d) + 2, d);
   }
 }
 
 #ifdef PIGJAX_X86
-// kernels.h undefines its PIGJAX_DECODE_AVX2 at the end of its avx2 namespace; this header has its own.
+// kernels.h undefines its PIGJAX_AVX2 at the end of its avx2 namespace; this header has its own.
 #define PIGJAX_DECODE_AVX2 __attribute__((target("avx2,fma")))
 namespace avx2 {
-using pigjax::avx2::Load8;
-
-// Eight dot products in one vector: lane j = the horizontal sum of a[j] (the classic hadd tree).
-PIGJAX_DECODE_AVX2 inline __m256 HSum8(const __m256* a) {
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
-// scores[t] = q . k_t for rows t of k_SD (row stride d, d % 8 == 0), eight rows per pass so one
-// hadd tree replaces eight horizontal sums.
-template <typename T>
-PIGJAX_DECODE_AVX2 void Scores(const float* q, const T* k_SD, int64_t d, int64_t n, float* scores) {
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      const __m256 qi = _mm256_loadu_ps(q + i);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, Load8(k_SD + (t + j) * d + i), acc[j]);
-    }
-    _mm256_storeu_ps(scores + t, HSum8(acc));
-  }
-  for (; t < n; ++t) scores[t] = pigjax::avx2::Dot(q, k_SD + t * d, d);
-}
-
-// out[0:8*NV] += sum_t w[t] v_t[0:8*NV]: the NV accumulators stay in registers across the rows.
-template <int NV, typename T>
-PIGJAX_DECODE_AVX2 void WeightedSum(const float* w, const T* v, int64_t d, int64_t n, float* out) {
-  __m256 acc[NV];
-  for (int s = 0; s < NV; ++s) acc[s] = _mm256_loadu_ps(out + 8 * s);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 wt = _mm256_set1_ps(w[t]);
-    for (int s = 0; s < NV; ++s) acc[s] = _mm256_fmadd_ps(wt, Load8(v + t * d + 8 * s), acc[s]);
-  }
-  for (int s = 0; s < NV; ++s) _mm256_storeu_ps(out + 8 * s, acc[s]);
-}
-
-template <typename T>
-PIGJAX_DECODE_AVX2 void WeightedSumRows(const float* w, const T* v_SD, int64_t d, int64_t n, float* out) {
-  for (int64_t i = 0; i < d; i += 64) {  // 64 lanes (8 registers) at a time
-    const T* v = v_SD + i;
-    switch (std::min<int64_t>(d - i, 64) / 8) {
-      case 8: WeightedSum<8>(w, v, d, n, out + i); break;
-      case 7: WeightedSum<7>(w, v, d, n, out + i); break;
-      case 6: WeightedSum<6>(w, v, d, n, out + i); break;
-      case 5: WeightedSum<5>(w, v, d, n, out + i); break;
-      case 4: WeightedSum<4>(w, v, d, n, out + i); break;
-      case 3: WeightedSum<3>(w, v, d, n, out + i); break;
-      case 2: WeightedSum<2>(w, v, d, n, out + i); break;
-      default: WeightedSum<1>(w, v, d, n, out + i); break;
-    }
-  }
-}
+using pigjax::avx2::RowDots;
+using pigjax::avx2::WeightedRows;
 
 // ChunkPartial (below) for d % 8 == 0: per query head, scores of eight rows at a time and the
 // weighted V sum in registers; the chunk's K and V (at most 128 KiB) stay in L2 across the G
 // heads that share them.
-template <typename T>
-PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD, const T* v_SD,
-                              int64_t d, int64_t t0, int64_t t1, float* scores, float* out) {
-  const int64_t n = t1 - t0;
+template <typename T, typename RowOf>
+PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD,
+                                     const T* v_SD, int64_t d, int64_t n, RowOf row,
+                                     float* scores, float* out) {
+  if (n == 0) return EmptyPartials(group, d, out);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * n;
-    Scores(q_GD + g * d, k_SD + t0 * d, d, n, s);
+    RowDots<T>(q_GD + g * d, d, n, [&](int64_t t) { return k_SD + row(t) * d; }, s);
     __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
@@ -138,7 +97,7 @@ PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* 
     o[0] = m;
     o[1] = pigjax::avx2::ExpSum(s, n, m);
     std::fill(o + 2, o + 2 + d, 0.0f);
-    WeightedSumRows(s, v_SD + t0 * d, d, n, o + 2);
+    WeightedRows<T>(s, d, n, [&](int64_t t) { return v_SD + row(t) * d; }, o + 2);
   }
 }
 }  // namespace avx2
@@ -148,10 +107,13 @@ PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* 
 // o_BHD[b, k * G + g] = softmax(q . K[b, k, :len_b] / sqrt(D)) V[b, k, :len_b], and lse_BH its
 // log-sum-exp (of the scaled scores). A slot with len_b == 0 gets o = 0, lse = -inf (as the jnp
 // reference `attention.attend_with_lse` does when nothing is visible). Lengths are clamped to
-// [0, max_len] by the caller.
+// [0, max_len] by the caller. valid_BS (optional, [B, max_len] flags): rows flagged 0 are
+// masked out as well and never read (MagicPIG's exact buffer, whose unused entries lie
+// between used ones).
 template <typename T>
 void Attend(const VecOps& ops, ThreadPool& pool, const Shape& sh, const float* q_BHD,
-            const T* k_BKSD, const T* v_BKSD, const int32_t* len_B, float* o_BHD, float* lse_BH) {
+            const T* k_BKSD, const T* v_BKSD, const int32_t* len_B, const int8_t* valid_BS,
+            float* o_BHD, float* lse_BH) {
   const int64_t B = sh.batch, K = sh.kv_heads, G = sh.group, S = sh.max_len, D = sh.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // Task list: (b, k, chunk) for every filled chunk of every slot and KV head.
@@ -182,15 +144,23 @@ void Attend(const VecOps& ops, ThreadPool& pool, const Shape& sh, const float* q
         scores.resize(G * kChunkRows);
         const float* q = q_scaled.data() + bk * G * D;
         float* out = partial.data() + task * part;
+        const T* k = k_BKSD + bk * S * D;
+        const T* v = v_BKSD + bk * S * D;
+        auto run = [&](int64_t n, auto row) {
 #ifdef PIGJAX_X86
-        if (vectorized) {
-          avx2::ChunkPartial(q, G, k_BKSD + bk * S * D, v_BKSD + bk * S * D, D, t0, t1,
-                             scores.data(), out);
-          return;
-        }
+          if (vectorized) return avx2::ChunkPartial(q, G, k, v, D, n, row, scores.data(), out);
 #endif
-        ChunkPartial(ops, q, G, k_BKSD + bk * S * D, v_BKSD + bk * S * D, D, t0, t1,
-                     scores.data(), out);
+          ChunkPartial(ops, q, G, k, v, D, n, row, scores.data(), out);
+        };
+        if (!valid_BS) return run(t1 - t0, [t0](int64_t t) { return t0 + t; });
+        // Masked: only the chunk's valid rows, listed (the others are never read).
+        thread_local std::vector<int32_t> kept;
+        kept.clear();
+        for (int64_t t = t0; t < t1; ++t) {
+          if (valid_BS[b * S + t]) kept.push_back(static_cast<int32_t>(t));
+        }
+        const int32_t* r = kept.data();
+        run(static_cast<int64_t>(kept.size()), [r](int64_t t) { return int64_t{r[t]}; });
       },
       /*inline_only=*/pairs < kMinParallelPairs);
   // Merge the chunks of each (b, k, g) by log-sum-exp.

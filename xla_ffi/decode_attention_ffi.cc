@@ -20,10 +20,10 @@ namespace {
 
 using pigjax::Str;
 
-ffi::Error DecodeAttendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> o,
-                            ffi::Result<ffi::AnyBuffer> lse) {
-  constexpr const char* fn = "decode_attend";
+// Both handlers: `valid` is null for pigjax_decode_attend, [B, S] flags for the masked one.
+ffi::Error Run(const char* fn, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+               ffi::Buffer<ffi::S32> lengths, const ffi::Buffer<ffi::S8>* valid,
+               ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse) {
   auto err = [](std::string msg) { return ffi::Error::InvalidArgument(std::move(msg)); };
   if (q.element_type() != ffi::DataType::F32 || q.dimensions().size() != 3) {
     return err(Str(fn, ": q must be float32 [B, H, D], got ", q.element_type(), " of rank ",
@@ -63,6 +63,11 @@ ffi::Error DecodeAttendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
       lse->dimensions()[0] != B || lse->dimensions()[1] != H) {
     return err(Str(fn, ": the output lse must be float32 [", B, ", ", H, "]."));
   }
+  if (valid && (valid->dimensions().size() != 2 || valid->dimensions()[0] != B ||
+                valid->dimensions()[1] != S)) {
+    return err(Str(fn, ": valid must be int8 [", B, ", ", S, "] (one flag per cache row)."));
+  }
+  const int8_t* vp = valid ? valid->typed_data() : nullptr;
   // A length outside [0, S] is clamped: the caller's length counts the token just written, which
   // a full cache drops (write_kv ignores positions past the end).
   std::vector<int32_t> len(B);
@@ -77,13 +82,26 @@ ffi::Error DecodeAttendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
   if (kt == ffi::DataType::F32) {
     pigjax::decode::Attend(ops, pigjax::ComputePool(), sh, qp,
                            static_cast<const float*>(k.untyped_data()),
-                           static_cast<const float*>(v.untyped_data()), len.data(), op, lp);
+                           static_cast<const float*>(v.untyped_data()), len.data(), vp, op, lp);
   } else {
     pigjax::decode::Attend(ops, pigjax::ComputePool(), sh, qp,
                            static_cast<const pigjax::bf16*>(k.untyped_data()),
-                           static_cast<const pigjax::bf16*>(v.untyped_data()), len.data(), op, lp);
+                           static_cast<const pigjax::bf16*>(v.untyped_data()), len.data(), vp, op,
+                           lp);
   }
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttendImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::Result<ffi::AnyBuffer> lse) {
+  return Run("decode_attend", q, k, v, lengths, nullptr, o, lse);
+}
+
+ffi::Error DecodeAttendMaskedImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                  ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S8> valid,
+                                  ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse) {
+  return Run("decode_attend_masked", q, k, v, lengths, &valid, o, lse);
 }
 
 }  // namespace
@@ -97,10 +115,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttend, DecodeAttendImpl,
                                   .Ret<ffi::AnyBuffer>()  // o: f32[B, H, D]
                                   .Ret<ffi::AnyBuffer>());  // lse: f32[B, H]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttendMasked, DecodeAttendMaskedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q: f32[B, H, D]
+                                  .Arg<ffi::AnyBuffer>()  // k: f32|bf16[B, K, S, D]
+                                  .Arg<ffi::AnyBuffer>()  // v: like k
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths: [B] visible rows
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // valid: [B, S] row flags
+                                  .Ret<ffi::AnyBuffer>()  // o: f32[B, H, D]
+                                  .Ret<ffi::AnyBuffer>());  // lse: f32[B, H]
+
 namespace pigjax {
 
 void AddDecodeAttentionRegistrations(nb::dict& registrations) {
   registrations["pigjax_decode_attend"] = nb::capsule(reinterpret_cast<void*>(DecodeAttend));
+  registrations["pigjax_decode_attend_masked"] =
+      nb::capsule(reinterpret_cast<void*>(DecodeAttendMasked));
 }
 
 }  // namespace pigjax

@@ -433,6 +433,67 @@ PIGJAX_AVX2 inline int64_t ScanMarks(const uint8_t* mark, int64_t n, uint8_t e, 
   }
   return count;
 }
+
+// Eight dot products in one vector: lane j = the horizontal sum of a[j] (the classic hadd tree).
+PIGJAX_AVX2 inline __m256 HSum8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// Row kernels for head dims that are a multiple of 8, over n rows found by `row(t)` (a const T*
+// to a row's d elements): cache rows (decode_attention.h) or the pool's candidate rows
+// (AccumulateAttention).
+
+// out[t] = q . row(t), eight rows per pass so that one hadd tree replaces eight horizontal sums.
+template <typename T, typename RowAt>
+PIGJAX_AVX2 void RowDots(const float* q, int64_t d, int64_t n, RowAt row, float* out) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const T* r[8];
+    for (int j = 0; j < 8; ++j) r[j] = row(t + j);
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 qi = _mm256_loadu_ps(q + i);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, Load8(r[j] + i), acc[j]);
+    }
+    _mm256_storeu_ps(out + t, HSum8(acc));
+  }
+  for (; t < n; ++t) out[t] = Dot(q, row(t), d);
+}
+
+// out[0:8*NV] += sum_t w[t] row(t)[0:8*NV]: the NV accumulators stay in registers across rows.
+template <int NV, typename T, typename RowAt>
+PIGJAX_AVX2 void WeightedSum(const float* w, int64_t n, RowAt row, float* out) {
+  __m256 acc[NV];
+  for (int s = 0; s < NV; ++s) acc[s] = _mm256_loadu_ps(out + 8 * s);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 wt = _mm256_set1_ps(w[t]);
+    const T* v = row(t);
+    for (int s = 0; s < NV; ++s) acc[s] = _mm256_fmadd_ps(wt, Load8(v + 8 * s), acc[s]);
+  }
+  for (int s = 0; s < NV; ++s) _mm256_storeu_ps(out + 8 * s, acc[s]);
+}
+
+// out[0:d] += sum_t w[t] row(t)[0:d], 64 lanes (8 registers) at a time.
+template <typename T, typename RowAt>
+PIGJAX_AVX2 void WeightedRows(const float* w, int64_t d, int64_t n, RowAt row, float* out) {
+  for (int64_t i = 0; i < d; i += 64) {
+    auto part = [&](int64_t t) { return row(t) + i; };
+    switch (std::min<int64_t>(d - i, 64) / 8) {
+      case 8: WeightedSum<8, T>(w, n, part, out + i); break;
+      case 7: WeightedSum<7, T>(w, n, part, out + i); break;
+      case 6: WeightedSum<6, T>(w, n, part, out + i); break;
+      case 5: WeightedSum<5, T>(w, n, part, out + i); break;
+      case 4: WeightedSum<4, T>(w, n, part, out + i); break;
+      case 3: WeightedSum<3, T>(w, n, part, out + i); break;
+      case 2: WeightedSum<2, T>(w, n, part, out + i); break;
+      default: WeightedSum<1, T>(w, n, part, out + i); break;
+    }
+  }
+}
 #undef PIGJAX_AVX2
 }  // namespace avx2
 #endif  // PIGJAX_X86
@@ -643,15 +704,17 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
                            1.f / std::sqrt(static_cast<float>(d))};
   float* s = scratch;              // [kChunk]: q.k, then scores, then weights
   float* norm = scratch + kChunk;  // [kChunk]
+  // The AVX2 chunk kernels need whole 8-lane vectors per row; other head dims (and
+  // PIGJAX_KERNELS=scalar) take the primitive-by-primitive path.
+  [[maybe_unused]] const bool vectorized = std::strcmp(ops.isa, "avx2") == 0 && d % 8 == 0;
   for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
     const int64_t nc = std::min(kChunk, count - c0);
+    const int32_t* cc = cand + c0;
     const uint64_t t0 = split_ns ? NowNsKernel() : 0;
     for (int64_t j = 0; j < nc; ++j) {
-      const int64_t c = c0 + j;
-      if (c + ahead_n < count) PrefetchLines(rows + cand[c + ahead_n] * rb, rb);
-      const int64_t i = cand[c];
-      const RowHeader* h = header(i);
-      s[j] = h->k_scale * ops.Dot(q, key(i), d);  // (x 1 for float rows: exact)
+      if (c0 + j + ahead_n < count) PrefetchLines(rows + cc[j + ahead_n] * rb, rb);
+      const RowHeader* h = header(cc[j]);
+      s[j] = h->k_scale * ops.Dot(q, key(cc[j]), d);  // (x 1 for float rows: exact)
       norm[j] = h->norm;
     }
     const float mc = ops.scores(s, norm, nc, params, log_u, s);
@@ -665,9 +728,14 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
       m = mc;
     }
     z += ops.exp_sum(s, nc, m);
-    for (int64_t j = 0; j < nc; ++j) {
-      const int64_t i = cand[c0 + j];
-      ops.Axpy(s[j] * header(i)->v_scale, key(i) + d, o, d);
+    for (int64_t j = 0; j < nc; ++j) s[j] *= header(cc[j])->v_scale;
+#ifdef PIGJAX_X86
+    if (vectorized) {
+      avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], key(cc[j]) + d, o, d);
     }
     if (split_ns) {
       const uint64_t t2 = NowNsKernel();
