@@ -14,8 +14,9 @@ pigjax/estimators.py) builds no tables: the insert quantizes the centred keys in
 (`proxy_bits`) index, and the attend scans it, attends the top `proxy_fraction` of the pool
 exactly and adds the mean-V tail; its code operands have 0 columns (`code_columns`).
 
-Both are `jax.ffi.ffi_call`s with side effects; an attend
-that must see an insert takes the insert's output as its `dep` operand.
+Both are `jax.ffi.ffi_call`s. The insert has side effects (XLA must run it even though its output
+may go unused); the attend is a pure read, and one that must see an insert takes the insert's
+output as its `dep` operand.
 
 Shape letters: B batch rows, K kv heads, H query heads, T tokens, D head dim, L tables.
 """
@@ -334,7 +335,13 @@ def store_attend(handle, layer: int, slots_B, q_BHD, q_codes_BHL,
                  "one code per table; none for a proxy store")
   out = (jax.ShapeDtypeStruct((B, H, D), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32),
          jax.ShapeDtypeStruct((B, H), jnp.int32))
-  call = jax.ffi.ffi_call("pigjax_attend", out, has_side_effect=True)
+  # No side-effect flag: the attend only reads the store, its order after an insert comes from
+  # `dep`, and an effect would take the whole program off jax's C++ dispatch path (with ~500
+  # operand leaves per decode step, the Python path cost about 10 ms per SmolLM2 step). Calls
+  # with empty results keep it, or XLA would skip them and the handler's checks with them (a
+  # closed handle, zero query heads). Handler errors surface as jax.errors.JaxRuntimeError or,
+  # from the C++ dispatch path, as ValueError; the message is the same.
+  call = jax.ffi.ffi_call("pigjax_attend", out, has_side_effect=B * H == 0)
   o, lse, count = call(h, slots_B.astype(jnp.int32), q_BHD, q_codes_BHL.astype(jnp.int32), dep,
                        layer=np.int32(layer))
   return o, lse, count

@@ -74,9 +74,11 @@ def test_masked_kernel_matches_jnp_reference(kernel, dtype, K, G, D):
   q = jnp.asarray(rng.standard_normal((B, K * G, D)), jnp.float32)
   k = rng.standard_normal((B, K, S, D)).astype(np.float32) * 2.0
   v = rng.standard_normal((B, K, S, D)).astype(np.float32)
-  o_ref, lse_ref = attention.attend_with_lse(q[:, None], jnp.asarray(k, dtype).astype(jnp.float32),
-                                             jnp.asarray(v, dtype).astype(jnp.float32),
-                                             jnp.asarray(valid)[:, None])
+  # (copies: jnp.asarray may alias a float32 numpy array, which is overwritten with NaN below)
+  o_ref, lse_ref = attention.attend_with_lse(
+      q[:, None], jnp.array(k, dtype).astype(jnp.float32), jnp.array(v, dtype).astype(jnp.float32),
+      jnp.asarray(valid)[:, None])
+  o_ref, lse_ref = np.asarray(o_ref), np.asarray(lse_ref)
   k[~valid[:, None, :, None].repeat(K, 1).repeat(D, 3)] = np.nan
   v[~valid[:, None, :, None].repeat(K, 1).repeat(D, 3)] = np.nan
   o, lse = jax.jit(host_attention.decode_attend_masked)(q, jnp.asarray(k, dtype),
