@@ -9,7 +9,13 @@ instead scores *every* pool key cheaply and reads only the best:
    (uniform levels between the channel's min and max over the pool: 2 * D floats per head, and
    D * bits / 8 bytes per token, 32 at 4 bits against (10,150)'s 604 bytes of table ids + norm).
 2. Proxy scores: s~_i = scale * (q . deq(k~_i) + q . mu) for every pool key (a scan of the index:
-   its bytes are the estimator's lookup cost, reported next to the rows read).
+   its bytes are the estimator's lookup cost, reported next to the rows read). With
+   deq(k~_i) = lo + code_i * step this is bias + sum_e w_e code_ie, w = scale * q * step; the
+   weights are rounded to int8 on a power-of-two grid (`query_weights`), so the scan is an exact
+   integer dot (the C++ kernel's int8 x 4-bit `maddubs` scan, bit for bit the same scores) and
+   the ranking does not depend on summation order. The rounding moves a score by at most
+   2^(x-8) * sum_e code_ie where max|w| = f 2^x: about 1% of the scores' spread, against the
+   4-bit keys' 10%.
 3. Selection: the k_keep keys with the largest s~ are read (K and V at full precision) and
    attended exactly: o_top, lse_top. Ties with the k_keep-th proxy score are all kept.
 4. Tail (tail="mean"): the softmax mass of the keys not read is estimated from their proxy scores,
@@ -30,6 +36,8 @@ T pool tokens, D head dim.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,19 +70,53 @@ def quantize_stats(k_BKTD: jax.Array, valid_BKT: jax.Array,
   return mu_BKD, lo_BKD, step_BKD
 
 
-def quantize_with_stats(k_BKTD: jax.Array, valid_BKT: jax.Array, mu_BKD: jax.Array,
-                        lo_BKD: jax.Array, step_BKD: jax.Array, bits: int) -> jax.Array:
-  """kq_BKTD: f32 dequantized centred keys lo + code * step, code = clip(round((k - mu - lo) /
-  step), 0, 2^bits - 1) (ties to even); invalid rows 0. With the stats of another set of keys
-  (an append) the clip bounds keys outside that set's range."""
+def quantize_codes(k_BKTD: jax.Array, valid_BKT: jax.Array, mu_BKD: jax.Array,
+                   lo_BKD: jax.Array, step_BKD: jax.Array, bits: int) -> jax.Array:
+  """code_BKTD: f32 codes clip(round((k - mu - lo) / step), 0, 2^bits - 1) (ties to even);
+  invalid rows 0. With the stats of another set of keys (an append) the clip bounds keys outside
+  that set's range."""
   k_BKTD = k_BKTD.astype(jnp.float32)
   levels = float((1 << bits) - 1)
   kc_BKTD = k_BKTD - mu_BKD[:, :, None]
   inv_step_BKD = 1.0 / step_BKD  # (see quantize_stats)
   code_BKTD = jnp.clip(jnp.round((kc_BKTD - lo_BKD[:, :, None]) * inv_step_BKD[:, :, None]), 0.0,
                        levels)
+  return jnp.where(valid_BKT[..., None], code_BKTD, 0.0)
+
+
+def quantize_with_stats(k_BKTD: jax.Array, valid_BKT: jax.Array, mu_BKD: jax.Array,
+                        lo_BKD: jax.Array, step_BKD: jax.Array, bits: int) -> jax.Array:
+  """kq_BKTD: f32 dequantized centred keys lo + code * step (`quantize_codes`); invalid rows 0."""
+  code_BKTD = quantize_codes(k_BKTD, valid_BKT, mu_BKD, lo_BKD, step_BKD, bits)
   return jnp.where(valid_BKT[..., None], lo_BKD[:, :, None] + code_BKTD * step_BKD[:, :, None],
                    0.0)
+
+
+class ProxyIndex(NamedTuple):
+  """A pool's proxy index: mu_BKD, lo_BKD, step_BKD (`quantize_stats`) and code_BKTD
+  (`quantize_codes`, f32 integers)."""
+  mu: jax.Array
+  lo: jax.Array
+  step: jax.Array
+  code: jax.Array
+
+
+def build_index(k_BKTD: jax.Array, valid_BKT: jax.Array, bits: int) -> ProxyIndex:
+  """The proxy index of a pool (its own statistics)."""
+  mu, lo, step = quantize_stats(k_BKTD, valid_BKT, bits)
+  return ProxyIndex(mu, lo, step, quantize_codes(k_BKTD, valid_BKT, mu, lo, step, bits))
+
+
+def query_weights(w, xp=jnp):
+  """(wq, sw): w [..., D] rounded to integers in [-127, 127] on a power-of-two grid per row,
+  wq = clip(round(w * 2^(7 - x)), -127, 127) and sw = 2^(x - 7) where max|w| = f 2^x, f in
+  [0.5, 1) (frexp; x = 0 for a zero row). Scaling by a power of two is exact, so numpy, jnp and
+  the C++ kernel (QuantizeQueryWeights in xla_ffi/proxy.h) round the same float32 w alike.
+  `xp` is jnp or numpy."""
+  m = xp.max(xp.abs(w), axis=-1, keepdims=True)
+  _, x = xp.frexp(m)
+  wq = xp.clip(xp.round(w * xp.ldexp(xp.ones_like(m), 7 - x)), -127, 127)
+  return wq, xp.ldexp(xp.ones_like(m), x - 7)
 
 
 def quantize_keys(k_BKTD: jax.Array, valid_BKT: jax.Array,
@@ -107,15 +149,15 @@ def keep_count(fraction: float, pool_B: jax.Array) -> jax.Array:
 
 
 def proxy_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
-                        valid_BKT: jax.Array, mu_BKD: jax.Array, kq_BKTD: jax.Array,
-                        vbar_BKD: jax.Array, k_keep_B: jax.Array, k_max: int, *,
-                        tail: str = "mean",
+                        valid_BKT: jax.Array, index: ProxyIndex, vbar_BKD: jax.Array,
+                        k_keep_B: jax.Array, k_max: int, *, tail: str = "mean",
                         scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Proxy top-k attention over the pool (module docstring, steps 2-4).
 
   Args:
     q_BHD: queries. k_BKTD, v_BKTD: pool keys (post-RoPE, raw) and values. valid_BKT: bool.
-    mu_BKD, kq_BKTD: from `quantize_keys`. vbar_BKD: from `pool_mean_values`.
+    index: from `build_index` (or `quantize_stats` + `quantize_codes`). vbar_BKD: from
+      `pool_mean_values`.
     k_keep_B: int32 rows read per query head, per slot (<= the slot's valid pool size).
     k_max: static upper bound of k_keep_B (the top_k width), >= 1.
     tail: one of PROXY_TAILS.
@@ -128,25 +170,31 @@ def proxy_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
     raise ValueError(f"proxy tail must be one of {PROXY_TAILS}, got {tail!r}.")
   lsh.check_finite("proxy_attention_ref", q=q_BHD, k=(k_BKTD, valid_BKT), v=(v_BKTD, valid_BKT))
   num_kv = k_BKTD.shape[1]
-  q_BKGD = lsh.group_heads(q_BHD, num_kv)
+  q_BKGD = lsh.group_heads(q_BHD, num_kv).astype(jnp.float32)
   if scale is None:
     scale = 1.0 / (q_BKGD.shape[-1] ** 0.5)
-  qmu_BKG = jnp.einsum("bkgd,bkd->bkg", q_BKGD, mu_BKD.astype(jnp.float32), precision=_HIGHEST)
-  sp_BKGT = (jnp.einsum("bkgd,bktd->bkgt", q_BKGD, kq_BKTD, precision=_HIGHEST)
-             + qmu_BKG[..., None]) * scale
-  valid_BKGT = jnp.broadcast_to(valid_BKT[:, :, None], sp_BKGT.shape)
-  sp_BKGT = jnp.where(valid_BKGT, sp_BKGT, -jnp.inf)
-  width = max(1, min(k_max, sp_BKGT.shape[-1]))
-  top_BKGW = jax.lax.top_k(sp_BKGT, width)[0]
+  # Ranking scores: the exact integer scan scaled by a power of two (query_weights); the bias
+  # scale * (q . lo + q . mu), the same for every token of a head, joins for the tail only.
+  wq_BKGD, sw_BKG1 = query_weights(scale * q_BKGD * index.step[:, :, None])
+  isum_BKGT = jnp.einsum("bkgd,bktd->bkgt", wq_BKGD.astype(jnp.int32),
+                         index.code.astype(jnp.int32), preferred_element_type=jnp.int32)
+  raw_BKGT = isum_BKGT.astype(jnp.float32) * sw_BKG1
+  bias_BKG = scale * jnp.einsum("bkgd,bkd->bkg", q_BKGD, (index.lo + index.mu).astype(jnp.float32),
+                                precision=_HIGHEST)
+  valid_BKGT = jnp.broadcast_to(valid_BKT[:, :, None], raw_BKGT.shape)
+  raw_BKGT = jnp.where(valid_BKGT, raw_BKGT, -jnp.inf)
+  width = max(1, min(k_max, raw_BKGT.shape[-1]))
+  top_BKGW = jax.lax.top_k(raw_BKGT, width)[0]
   idx_B = jnp.clip(k_keep_B - 1, 0, width - 1)
   kth_BKG = jnp.take_along_axis(top_BKGW, idx_B[:, None, None, None], axis=-1)[..., 0]
-  keep_BKGT = valid_BKGT & (sp_BKGT >= kth_BKG[..., None]) & (k_keep_B > 0)[:, None, None, None]
+  keep_BKGT = valid_BKGT & (raw_BKGT >= kth_BKG[..., None]) & (k_keep_B > 0)[:, None, None, None]
 
   s_BKGT = lsh.head_scores(q_BKGD, k_BKTD, scale)
   o_BKGD, lse_BKG = lsh.masked_attention(s_BKGT, keep_BKGT, v_BKTD)
   if tail == "mean":
     rest_BKGT = valid_BKGT & ~keep_BKGT
-    _, lse_rest_BKG = lsh.masked_attention(sp_BKGT, rest_BKGT, v_BKTD[..., :1])
+    _, lse_rest_BKG = lsh.masked_attention(raw_BKGT, rest_BKGT, v_BKTD[..., :1])
+    lse_rest_BKG = lse_rest_BKG + bias_BKG
     vbar_BKGD = jnp.broadcast_to(vbar_BKD[:, :, None].astype(jnp.float32), o_BKGD.shape)
     o_BKGD, lse_BKG = lsh.merge_attention(o_BKGD, lse_BKG, vbar_BKGD, lse_rest_BKG)
   o_BHD, lse_BH = lsh.ungroup_heads(o_BKGD, lse_BKG)

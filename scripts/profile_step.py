@@ -27,13 +27,14 @@ _STEPS = flags.DEFINE_integer("steps", 6, "Timed decode steps per method.")
 _DENSE = flags.DEFINE_bool("dense", False, "Also time the dense step, interleaved.")
 _WEIGHTS = flags.DEFINE_string("weights", "gguf", "Config.weights.")
 _STORE_DTYPE = flags.DEFINE_string("store_dtype", "bfloat16", "Host K/V dtype.")
+_ESTIMATOR = flags.DEFINE_string("estimator", "magicpig", "attention.estimator.")
 
 
 def main(argv):
   del argv
   n = _CONTEXT.value
   att = AttentionConfig(kind="magicpig", num_bits=10, num_tables=150,
-                        store_dtype=_STORE_DTYPE.value)
+                        store_dtype=_STORE_DTYPE.value, estimator=_ESTIMATOR.value)
   pipe = Pipeline.load(Config(checkpoint="smollm2", max_seq_len=n + 512, attention=att,
                               weights=_WEIGHTS.value), progress=False)
   cfg = pipe.cfg
@@ -44,7 +45,9 @@ def main(argv):
   backend.store = HostKVStore(num_layers=len(backend.sparse_layers), num_slots=1,
                               num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                               num_bits=a.num_bits, num_tables=a.num_tables, capacity=n,
-                              dtype=a.store_dtype, threads=a.threads)
+                              dtype=a.store_dtype, threads=a.threads, estimator=a.estimator,
+                              proxy_bits=a.proxy_bits, proxy_fraction=a.proxy_fraction,
+                              proxy_tail=a.proxy_tail)
   engine = Engine(cfg, pipe.model, backend)
   count = bench_contexts.pieces_needed(n, 2048, a.sink)
   piece_ids = bench_contexts.document_pieces(pipe.tokenizer.encode, count, 2048)

@@ -30,12 +30,16 @@ def _np_proxy(q_HD, k_KTD, v_KTD, valid_KT, bits, k_keep, tail):
     lo, hi = kc.min(0), kc.max(0)
     levels = 2 ** bits - 1
     step = np.where(hi > lo, (hi - lo) / levels, 1.0)
-    kq = lo + np.clip(np.round((kc - lo) / step), 0, levels) * step
+    code = np.clip(np.round((kc - lo) / step), 0, levels)
     for h in range(kv * g, (kv + 1) * g):
       q = q_HD[h].astype(np.float64)
-      sp = (kq @ q + q @ mu) * scale
-      kk = min(k_keep, idx.size)
-      top = np.argsort(-sp)[:kk]
+      # Scan weights scale * q * step rounded to int8 (query_weights); rank by the integer sum.
+      wq, sw = estimators.query_weights(scale * q * step, xp=np)
+      raw = sw[0] * (code @ wq)
+      sp = raw + (q @ lo + q @ mu) * scale
+      kth = np.sort(raw)[::-1][min(k_keep, idx.size) - 1]
+      top = np.nonzero(raw >= kth)[0]  # every key tied with the k_keep-th is read too
+      kk = top.size
       s = k[top] @ q * scale
       e = np.exp(s - s.max())
       o, lse = e @ v[top] / e.sum(), s.max() + np.log(e.sum())
@@ -50,11 +54,11 @@ def _np_proxy(q_HD, k_KTD, v_KTD, valid_KT, bits, k_keep, tail):
 
 
 def _run(q, k, v, valid, bits, k_keep_B, tail):
-  mu, kq, _ = estimators.quantize_keys(jnp.asarray(k), jnp.asarray(valid), bits)
+  index = estimators.build_index(jnp.asarray(k), jnp.asarray(valid), bits)
   vbar = estimators.pool_mean_values(jnp.asarray(v), jnp.asarray(valid))
   k_keep_B = np.asarray(k_keep_B, np.int32)
   return [np.asarray(x) for x in estimators.proxy_attention_ref(
-      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), mu, kq, vbar,
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), index, vbar,
       jnp.asarray(k_keep_B), int(max(k_keep_B.max(), 1)), tail=tail)]
 
 
@@ -78,9 +82,10 @@ def test_matches_numpy_reference_and_counts_rows(tail, bits):
     o_w, lse_w, cnt_w = _np_proxy(q[b], k[b], v[b], valid[b], bits, k_keep_B[b], tail)
     np.testing.assert_allclose(o[b], o_w, atol=2e-5)
     np.testing.assert_allclose(lse[b], lse_w, atol=2e-5)
-    # Cost accounting: exactly k_keep rows read per query head; the tail reads none.
+    # Cost accounting: k_keep rows read per query head, plus the keys whose integer scan score
+    # ties the k_keep-th (common at 2 bits on 40 keys); the tail reads none.
     np.testing.assert_array_equal(cnt[b], cnt_w)
-    assert (cnt[b] == k_keep_B[b]).all()
+    assert (cnt[b] >= k_keep_B[b]).all()
 
 
 def test_quantization_error_is_at_most_half_a_step():

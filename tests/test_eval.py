@@ -72,6 +72,13 @@ def test_full_budget_policies_equal_dense(tiny, prefilled, policy, kw):
   assert np.abs(got - want).max() > 1e-4 and be.stats(cache)["pool_fraction"] < 0.2
 
 
+def _rows_read_fraction_ok(got: float, fraction: float, pool: int) -> bool:
+  """k_keep = ceil(fraction * pool) rows per query head, plus the keys whose integer scan score
+  ties the k_keep-th (estimators.query_weights; a few on the tiny model's 16-wide heads)."""
+  want = math.ceil(fraction * pool) / pool
+  return want <= got <= want * 1.05
+
+
 def test_estimator_proxy_is_selected_by_config(tiny, prefilled):
   """attention.estimator="proxy" turns the magicpig policy into proxy top-k: reading the whole
   pool is dense; a small fraction reads that fraction of rows (counted) and differs from dense."""
@@ -87,7 +94,7 @@ def test_estimator_proxy_is_selected_by_config(tiny, prefilled):
       assert be.stats(cache)["pool_fraction"] == pytest.approx(1.0)
     else:
       assert np.abs(got - want).max() > 1e-4
-      assert be.stats(cache)["pool_fraction"] == pytest.approx(math.ceil(0.05 * pool) / pool)
+      assert _rows_read_fraction_ok(be.stats(cache)["pool_fraction"], 0.05, pool)
 
 
 def test_estimator_proxy_in_the_product_path(tiny):
@@ -102,7 +109,7 @@ def test_estimator_proxy_in_the_product_path(tiny):
         tiny.cfg.attention, kind="magicpig", estimator="proxy", proxy_fraction=fraction))
     got, _, stats = Engine(cfg, tiny.model, make_backend(cfg)).generate(prompts, sc)
     pool = 120 - SINK - WINDOW
-    assert stats.extra["pool_fraction"] == pytest.approx(math.ceil(fraction * pool) / pool)
+    assert _rows_read_fraction_ok(stats.extra["pool_fraction"], fraction, pool)
     if fraction == 1.0:
       assert got == want
 
@@ -164,8 +171,8 @@ def test_proxy_reference_agrees_with_ffi(tiny, prefilled, tail):
   np.testing.assert_allclose(ffi, ref, atol=2e-4)
   assert np.abs(ffi - want).max() > 1e-4  # a tenth of the pool is not dense
   pool = 150 - SINK - WINDOW
-  for be, cache in [(ref_be, ref_cache), (ffi_be, ffi_cache)]:
-    assert be.stats(cache)["pool_fraction"] == pytest.approx(math.ceil(0.1 * pool) / pool)
+  f_ref, f_ffi = ref_be.stats(ref_cache)["pool_fraction"], ffi_be.stats(ffi_cache)["pool_fraction"]
+  assert f_ref == pytest.approx(f_ffi, rel=1e-6) and _rows_read_fraction_ok(f_ffi, 0.1, pool)
 
 
 def test_proxy_ffi_greedy_decode_equals_reference(tiny):

@@ -53,9 +53,8 @@ def test_probe_proxy_matches_the_jnp_reference(tail):
   est.prepare(k, v, _ctx(d))
   valid = jnp.ones((1, 1, k.shape[0]), bool)
   k_j, v_j = jnp.asarray(k[None, None], jnp.float32), jnp.asarray(v[None, None], jnp.float32)
-  mu, kq, _ = estimators.quantize_keys(k_j, valid, 4)
   o_ref, lse_ref, cnt_ref = estimators.proxy_attention_ref(
-      jnp.asarray(q[None], jnp.float32), k_j, v_j, valid, mu, kq,
+      jnp.asarray(q[None], jnp.float32), k_j, v_j, valid, estimators.build_index(k_j, valid, 4),
       estimators.pool_mean_values(v_j, valid), jnp.asarray([9]), 9, tail=tail)
   for h in range(3):
     o, lse, rows, lookup = est(q[h])

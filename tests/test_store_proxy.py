@@ -25,10 +25,11 @@ def _ref(q_BHD, k_BKTD, v_BKTD, lengths_B, first_B, *, bits, fraction, tail, k_m
   t_BKT = jnp.broadcast_to(jnp.arange(T)[None, None], (B, K, T))
   valid_BKT = t_BKT < lengths_B[:, None, None]
   mu, lo, step = estimators.quantize_stats(k_BKTD, t_BKT < first_B[:, None, None], bits)
-  kq = estimators.quantize_with_stats(k_BKTD, valid_BKT, mu, lo, step, bits)
+  index = estimators.ProxyIndex(mu, lo, step, estimators.quantize_codes(k_BKTD, valid_BKT, mu, lo,
+                                                                         step, bits))
   vbar = estimators.pool_mean_values(v_BKTD, valid_BKT)
   k_keep_B = estimators.keep_count(fraction, lengths_B)
-  return estimators.proxy_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, kq, vbar, k_keep_B,
+  return estimators.proxy_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, index, vbar, k_keep_B,
                                         k_max, tail=tail), mu
 
 
@@ -245,5 +246,7 @@ def test_selection_when_the_sampled_threshold_keeps_too_few():
   want, mu = _ref(q, k, v, lengths_B, lengths_B, bits=4, fraction=0.03, tail="mean", k_max=123)
   with _store(B, K, D, T, fraction=0.03) as store:
     got = _attend(store, q, _insert(store, k, v, lengths_B, mu))
-  assert np.all(np.asarray(got[2]) == 123)
+  # 123 rows, plus any key whose integer scan score ties the 123rd (here one per head): the
+  # count must equal the reference's (_check).
+  assert np.all(np.asarray(got[2]) >= 123) and np.all(np.asarray(got[2]) <= 125)
   _check(got, want, 2e-5)

@@ -68,21 +68,59 @@ inline int ProxyCode(const ProxyLayout& l, const uint8_t* codes, int64_t e) {
   return j < 8 ? (b & 0xf) : (b >> 4);
 }
 
-// Proxy scores of tokens [t0, t1) for `heads` query heads that share this index:
-//   out[h * out_stride + t] = bias[h] + sum_e w[h * padded + e] * code_e(t)
-// where w = scale * q * step (0 on padding) and bias = scale * (q . lo + q . mu), which is
-// scale * (q . (lo + code * step) + q . mu): the reference's q . deq(k~) + q . mu, regrouped.
+// The query side of the scan (estimators.query_weights): w_e = scale * q_e * step_e rounded to
+// int8 on a power-of-two grid, wq_e = clamp(round(w_e * 2^(7 - x)), -127, 127) where
+// max_e |w_e| = f * 2^x, f in [0.5, 1) (frexp), and the scan's scores are
+//   raw_t = 2^(x - 7) * sum_e wq_e * code_e(t)
+// an exact integer sum scaled by a power of two: bit for bit the reference's, whatever the order
+// of the sum. The bias scale * (q . lo + q . mu) is the same for every token of a head, so it is
+// left out of the ranking and added to the tail's log-sum-exp only. Writes wq in the index's
+// channel order (bits <= 4: group g's bytes 8g..8g+7 hold channels 16g..16g+7 and bytes
+// padded/2 + 8g.. channels 16g+8..16g+15, matching the low and high nibbles of the codes; else
+// channel order), padding 0, and returns the scale 2^(x - 7).
+inline float QuantizeQueryWeights(const ProxyLayout& l, const float* w, int8_t* wq) {
+  float m = 0.f;
+  for (int64_t e = 0; e < l.d; ++e) m = std::max(m, std::fabs(w[e]));
+  int x = 0;
+  std::frexp(m, &x);
+  const float inv = std::ldexp(1.f, 7 - x);
+  std::fill(wq, wq + l.padded, int8_t{0});
+  for (int64_t e = 0; e < l.d; ++e) {
+    const int8_t v = static_cast<int8_t>(std::clamp(std::nearbyint(w[e] * inv), -127.f, 127.f));
+    if (l.bits <= 4) {
+      const int64_t g = e / 16, j = e % 16;
+      wq[(j < 8 ? 0 : l.padded / 2) + 8 * g + (j & 7)] = v;
+    } else {
+      wq[e] = v;
+    }
+  }
+  return std::ldexp(1.f, x - 7);
+}
+
+// Scores of tokens [t0, t1) for `heads` query heads that share this index:
+//   out[h * out_stride + t] = sw[h] * sum_e wq[h * padded + e] * code_e(t)
+// (wq, sw from QuantizeQueryWeights; the sum is exact in int32).
 namespace scalar {
+inline int32_t ProxyDot(const ProxyLayout& l, const uint8_t* c, const int8_t* wq) {
+  int32_t s = 0;
+  if (l.bits <= 4) {
+    const int64_t half = l.padded / 2;
+    for (int64_t j = 0; j < half; ++j) {
+      s += (c[j] & 0xf) * wq[j] + (c[j] >> 4) * wq[half + j];
+    }
+  } else {
+    for (int64_t e = 0; e < l.padded; ++e) s += c[e] * wq[e];
+  }
+  return s;
+}
+
 inline void ProxyScores(const ProxyLayout& l, const uint8_t* codes, int64_t t0, int64_t t1,
-                        const float* w, const float* bias, int heads, float* out,
+                        const int8_t* wq, const float* sw, int heads, float* out,
                         int64_t out_stride) {
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* c = codes + t * l.bytes;
     for (int h = 0; h < heads; ++h) {
-      const float* wh = w + h * l.padded;
-      float s = 0.f;
-      for (int64_t e = 0; e < l.padded; ++e) s += wh[e] * static_cast<float>(ProxyCode(l, c, e));
-      out[h * out_stride + t] = bias[h] + s;
+      out[h * out_stride + t] = sw[h] * static_cast<float>(ProxyDot(l, c, wq + h * l.padded));
     }
   }
 }
@@ -108,74 +146,126 @@ inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau, int32_t* s
 namespace avx2 {
 #define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
 
-// NH query heads (1..4) of one kv head and two tokens per iteration: each token's codes are
-// unpacked once, each weight vector loaded once for both tokens, and the 2 x NH accumulators stay
-// in registers (NH is a template parameter, so the head loops unroll).
-template <int NH>
-PIGJAX_AVX2 inline void ProxyScoresHeads(const ProxyLayout& l, const uint8_t* codes, int64_t t0,
-                                         int64_t t1, const float* w, const float* bias,
-                                         float* out, int64_t out_stride) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  auto unpack16 = [&](const uint8_t* p, __m256& lo, __m256& hi) PIGJAX_AVX2 {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, low4)));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)));
-  };
-  auto unpack8 = [&](const uint8_t* p) PIGJAX_AVX2 {
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  };
+// One token's codes (bits <= 4) times one head's int8 weights: the low and high nibbles of its
+// code bytes are two runs of unsigned bytes (channels 16g..16g+7 and 16g+8..16g+15 of each
+// group), multiplied with the matching weights by maddubs (pairs of products summed to int16, at
+// most 2 * 15 * 127 each, two of them added), then madd with ones to int32. Returns eight int32
+// lanes whose sum is the dot. 32 code bytes (64 channels) per 256-bit step, 8 per 128-bit step.
+PIGJAX_AVX2 inline __m256i NibbleDot(const uint8_t* c, const int8_t* w, int64_t half,
+                                     int64_t wide) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t j = 0; j < wide; j += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j));
+    const __m256i lo = _mm256_and_si256(b, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    const __m256i wl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j));
+    const __m256i wh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + half + j));
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, wl), _mm256_maddubs_epi16(hi, wh));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  if (wide == half) return acc;
+  const __m128i low4x = _mm_set1_epi8(0x0f), onesx = _mm_set1_epi16(1);
+  __m128i accx = _mm_setzero_si128();
+  for (int64_t j = wide; j < half; j += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
+    const __m128i lo = _mm_and_si128(b, low4x);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4x);
+    const __m128i wl = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j));
+    const __m128i wh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + half + j));
+    const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, wl), _mm_maddubs_epi16(hi, wh));
+    accx = _mm_add_epi32(accx, _mm_madd_epi16(p, onesx));
+  }
+  return _mm256_add_epi32(acc, _mm256_set_m128i(_mm_setzero_si128(), accx));
+}
+
+// Eight tokens' int32 lane vectors -> their eight sums, in token order (an hadd tree, then the
+// two 128-bit halves added).
+PIGJAX_AVX2 inline __m256i Sum8x8(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4,
+                                  __m256i v5, __m256i v6, __m256i v7) {
+  const __m256i a0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+  const __m256i a4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a0123, a4567, 0x20),
+                          _mm256_permute2x128_si256(a0123, a4567, 0x31));
+}
+
+// bits <= 4: per block of eight tokens and per head, eight NibbleDots reduced by Sum8x8 and
+// scaled by the head's power of two; the codes of a block stay in L1 across its heads.
+PIGJAX_AVX2 inline void ProxyScoresNibbles(const ProxyLayout& l, const uint8_t* codes, int64_t t0,
+                                           int64_t t1, const int8_t* wq, const float* sw,
+                                           int heads, float* out, int64_t out_stride) {
+  const int64_t half = l.padded / 2, wide = half / 32 * 32, tb = l.bytes;
   int64_t t = t0;
-  for (; t + 2 <= t1; t += 2) {
-    const uint8_t* c0 = codes + t * l.bytes;
-    const uint8_t* c1 = c0 + l.bytes;
-    __m256 a0[NH], a1[NH];
-    for (int h = 0; h < NH; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
-    if (l.bits <= 4) {
-      for (int64_t g = 0; g < l.padded / 16; ++g) {
-        __m256 lo0, hi0, lo1, hi1;
-        unpack16(c0 + 8 * g, lo0, hi0);
-        unpack16(c1 + 8 * g, lo1, hi1);
-        for (int h = 0; h < NH; ++h) {
-          const __m256 wl = _mm256_loadu_ps(w + h * l.padded + 16 * g);
-          const __m256 wh = _mm256_loadu_ps(w + h * l.padded + 16 * g + 8);
-          a0[h] = _mm256_fmadd_ps(wh, hi0, _mm256_fmadd_ps(wl, lo0, a0[h]));
-          a1[h] = _mm256_fmadd_ps(wh, hi1, _mm256_fmadd_ps(wl, lo1, a1[h]));
-        }
+  if (half == 32) {  // head_dim 33..64: one 256-bit step per token, weights kept in registers
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (; t + 8 <= t1; t += 8) {
+      const uint8_t* c = codes + t * tb;
+      __m256i lo[8], hi[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 32));
+        lo[j] = _mm256_and_si256(b, low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
       }
-    } else {
-      for (int64_t g = 0; g < l.padded / 8; ++g) {
-        const __m256 x0 = unpack8(c0 + 8 * g), x1 = unpack8(c1 + 8 * g);
-        for (int h = 0; h < NH; ++h) {
-          const __m256 wv = _mm256_loadu_ps(w + h * l.padded + 8 * g);
-          a0[h] = _mm256_fmadd_ps(wv, x0, a0[h]);
-          a1[h] = _mm256_fmadd_ps(wv, x1, a1[h]);
+      for (int h = 0; h < heads; ++h) {
+        const int8_t* w = wq + h * l.padded;
+        const __m256i wl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i wh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j) {
+          v[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[j], wl),
+                                                    _mm256_maddubs_epi16(hi[j], wh)), ones);
         }
+        const __m256i sum = Sum8x8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+        _mm256_storeu_ps(out + h * out_stride + t,
+                         _mm256_mul_ps(_mm256_set1_ps(sw[h]), _mm256_cvtepi32_ps(sum)));
       }
-    }
-    for (int h = 0; h < NH; ++h) {
-      out[h * out_stride + t] = bias[h] + HSum(a0[h]);
-      out[h * out_stride + t + 1] = bias[h] + HSum(a1[h]);
     }
   }
-  if (t < t1) scalar::ProxyScores(l, codes, t, t1, w, bias, NH, out, out_stride);
+  for (; t + 8 <= t1; t += 8) {
+    const uint8_t* c = codes + t * tb;
+    for (int h = 0; h < heads; ++h) {
+      const int8_t* w = wq + h * l.padded;
+      const __m256i sum = Sum8x8(
+          NibbleDot(c, w, half, wide), NibbleDot(c + tb, w, half, wide),
+          NibbleDot(c + 2 * tb, w, half, wide), NibbleDot(c + 3 * tb, w, half, wide),
+          NibbleDot(c + 4 * tb, w, half, wide), NibbleDot(c + 5 * tb, w, half, wide),
+          NibbleDot(c + 6 * tb, w, half, wide), NibbleDot(c + 7 * tb, w, half, wide));
+      _mm256_storeu_ps(out + h * out_stride + t,
+                       _mm256_mul_ps(_mm256_set1_ps(sw[h]), _mm256_cvtepi32_ps(sum)));
+    }
+  }
+  for (; t < t1; ++t) {  // the last < 8 tokens, one at a time
+    const uint8_t* c = codes + t * tb;
+    for (int h = 0; h < heads; ++h) {
+      const __m256i v = NibbleDot(c, wq + h * l.padded, half, wide);
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
+      out[h * out_stride + t] = sw[h] * static_cast<float>(_mm_cvtsi128_si32(s1));
+    }
+  }
+}
+
+// bits 5..8 (a byte per channel): the scalar sum, compiled for AVX2 so that it vectorises.
+PIGJAX_AVX2 inline void ProxyScoresBytes(const ProxyLayout& l, const uint8_t* codes, int64_t t0,
+                                         int64_t t1, const int8_t* wq, const float* sw, int heads,
+                                         float* out, int64_t out_stride) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* c = codes + t * l.bytes;
+    for (int h = 0; h < heads; ++h) {
+      const int8_t* w = wq + h * l.padded;
+      int32_t s = 0;
+      for (int64_t e = 0; e < l.padded; ++e) s += int32_t{c[e]} * int32_t{w[e]};
+      out[h * out_stride + t] = sw[h] * static_cast<float>(s);
+    }
+  }
 }
 
 PIGJAX_AVX2 inline void ProxyScores(const ProxyLayout& l, const uint8_t* codes, int64_t t0,
-                                    int64_t t1, const float* w, const float* bias, int heads,
+                                    int64_t t1, const int8_t* wq, const float* sw, int heads,
                                     float* out, int64_t out_stride) {
-  for (int h0 = 0; h0 < heads;) {
-    const int nh = std::min(4, heads - h0);
-    const float* wh = w + h0 * l.padded;
-    float* oh = out + h0 * out_stride;
-    switch (nh) {
-      case 4: ProxyScoresHeads<4>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
-      case 3: ProxyScoresHeads<3>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
-      case 2: ProxyScoresHeads<2>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
-      default: ProxyScoresHeads<1>(l, codes, t0, t1, wh, bias + h0, oh, out_stride); break;
-    }
-    h0 += nh;
-  }
+  if (l.bits > 4) return ProxyScoresBytes(l, codes, t0, t1, wq, sw, heads, out, out_stride);
+  ProxyScoresNibbles(l, codes, t0, t1, wq, sw, heads, out, out_stride);
 }
 
 PIGJAX_AVX2 inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau, int32_t* sel,
@@ -211,26 +301,22 @@ PIGJAX_AVX2 inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau
 }  // namespace avx2
 #endif  // PIGJAX_X86
 
-struct ProxyOps {
-  const char* isa;
-  void (*scores)(const ProxyLayout&, const uint8_t*, int64_t, int64_t, const float*,
-                 const float*, int, float*, int64_t);
-  int64_t (*split)(const float*, int64_t, float, int32_t*, float*);
-};
-
-inline const ProxyOps& GetProxyOps() {
-  static const ProxyOps scalar_ops{"scalar", &scalar::ProxyScores, &scalar::SplitAtThreshold};
-#ifdef PIGJAX_X86
-  static const ProxyOps avx2_ops{"avx2", &avx2::ProxyScores, &avx2::SplitAtThreshold};
-  if (UseAvx2()) return avx2_ops;
-#endif
-  return scalar_ops;
-}
-
 // k_keep = ceil(fraction * n) in float32, clamped to [min(n, 1), n]: estimators.keep_count.
 inline int64_t ProxyKeepCount(float fraction, int64_t n) {
   const int64_t k = static_cast<int64_t>(std::ceil(fraction * static_cast<float>(n)));
   return std::clamp<int64_t>(k, std::min<int64_t>(n, 1), n);
+}
+
+// KthLargest's threshold from every 16th score: sample rank a quarter above k's expected rank
+// (plus a margin), which usually keeps 1.25 k + 64 of n. Uses buf[0, n / 16).
+inline float SampleThreshold(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
+  constexpr int64_t kStride = 16;
+  const int64_t m = n / kStride;
+  if (buf.size() < size_t(n)) buf.resize(n);
+  for (int64_t j = 0; j < m; ++j) buf[j] = s[j * kStride];
+  const int64_t r = std::min(m - 1, k / kStride + k / (4 * kStride) + 4);
+  std::nth_element(buf.begin(), buf.begin() + r, buf.begin() + m, std::greater<float>());
+  return buf[r];
 }
 
 // The k-th largest of s[0, n) (1 <= k <= n). Below a few thousand scores, or for large k, a
@@ -238,19 +324,13 @@ inline int64_t ProxyKeepCount(float fraction, int64_t n) {
 // down to a few more than k (one vectorisable pass), and the selection runs over those. The
 // result is exact either way: a sample threshold that keeps fewer than k falls back.
 inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
-  constexpr int64_t kStride = 16;
   auto select = [&](int64_t m) {
     std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.begin() + m, std::greater<float>());
     return buf[k - 1];
   };
   buf.resize(n);
   if (n >= 4096 && k * 8 <= n) {
-    const int64_t m = n / kStride;
-    for (int64_t j = 0; j < m; ++j) buf[j] = s[j * kStride];
-    // Sample rank a quarter above k's expected rank (plus a margin): usually keeps 1.25 k + 64.
-    const int64_t r = std::min(m - 1, k / kStride + k / (4 * kStride) + 4);
-    std::nth_element(buf.begin(), buf.begin() + r, buf.begin() + m, std::greater<float>());
-    const float theta = buf[r];
+    const float theta = SampleThreshold(s, n, k, buf);
     int64_t kept = 0;
     for (int64_t i = 0; i < n; ++i) {
       buf[kept] = s[i];
@@ -260,6 +340,107 @@ inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>
   }
   std::copy(s, s + n, buf.begin());
   return select(n);
+}
+
+// Selection and tail sum of one head: keeps (ascending, into sel; returns the count) the ids
+// with s >= tau, tau the k-th largest of s[0, n), and returns tau and z = sum of exp(s - tau)
+// over the others. Writes up to kScanSlack ids past the last kept one.
+namespace scalar {
+inline int64_t SelectTop(const float* s, int64_t n, int64_t k, std::vector<float>& buf,
+                         std::vector<int32_t>& ids, int32_t* sel, float* tau, float* z) {
+  (void)ids;
+  *tau = KthLargest(s, n, k, buf);
+  return SplitAtThreshold(s, n, *tau, sel, z);
+}
+}  // namespace scalar
+
+#ifdef PIGJAX_X86
+namespace avx2 {
+#define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
+// One pass instead of three (KthLargest's filter, then the split's exp and compress): with the
+// sample threshold theta, the scores >= theta and their ids are compressed into buf / ids while
+// the others' exp(s - theta) are summed; tau is then selected among the few kept, and the kept
+// ones below tau join the tail: z = exp(theta - tau) * sum_{s < theta} exp(s - theta) +
+// sum_{theta <= s < tau} exp(s - tau). The same result as the scalar path up to float rounding
+// of z. Falls back to it when the sample threshold keeps fewer than k.
+PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
+                                     std::vector<float>& buf, std::vector<int32_t>& ids,
+                                     int32_t* sel, float* tau, float* z) {
+  if (n < 4096 || k * 8 > n) {
+    *tau = KthLargest(s, n, k, buf);
+    return SplitAtThreshold(s, n, *tau, sel, z);
+  }
+  static const BitPositions table;
+  const float theta = SampleThreshold(s, n, k, buf);
+  ids.resize(n + 8);
+  float* vb = buf.data();
+  int32_t* ib = ids.data();
+  const __m256 vt = _mm256_set1_ps(theta);
+  __m256 vz = _mm256_setzero_ps();
+  int64_t kept = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(s + i);
+    const __m256 keep = _mm256_cmp_ps(x, vt, _CMP_GE_OQ);
+    const __m256 e = Exp8(_mm256_min_ps(_mm256_sub_ps(x, vt), _mm256_setzero_ps()));
+    vz = _mm256_add_ps(vz, _mm256_andnot_ps(keep, e));
+    // Stored whether or not any is kept: a branch on it would mispredict in a quarter of blocks.
+    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_ps(keep));
+    const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.pos[bits]));
+    _mm256_storeu_ps(vb + kept, _mm256_permutevar8x32_ps(x, p));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ib + kept),
+                        _mm256_add_epi32(p, _mm256_set1_epi32(static_cast<int32_t>(i))));
+    kept += __builtin_popcount(bits);
+  }
+  float z_lo = HSum(vz);
+  for (; i < n; ++i) {
+    if (s[i] >= theta) {
+      vb[kept] = s[i];
+      ib[kept++] = static_cast<int32_t>(i);
+    } else {
+      z_lo += std::exp(s[i] - theta);
+    }
+  }
+  if (kept < k) {
+    *tau = KthLargest(s, n, k, buf);
+    return SplitAtThreshold(s, n, *tau, sel, z);
+  }
+  // tau among the kept, selected in a copy placed after them.
+  buf.resize(std::max<int64_t>(n, 2 * kept + 8));
+  vb = buf.data();
+  std::copy(vb, vb + kept, vb + kept);
+  std::nth_element(vb + kept, vb + kept + (k - 1), vb + 2 * kept, std::greater<float>());
+  const float t = vb[kept + k - 1];
+  float zs = z_lo * std::exp(theta - t);
+  int64_t count = 0;
+  for (int64_t j = 0; j < kept; ++j) {
+    const bool keep = vb[j] >= t;
+    sel[count] = ib[j];
+    count += keep;
+    if (!keep) zs += std::exp(vb[j] - t);
+  }
+  *tau = t;
+  *z = zs;
+  return count;
+}
+#undef PIGJAX_AVX2
+}  // namespace avx2
+#endif  // PIGJAX_X86
+
+struct ProxyOps {
+  const char* isa;
+  void (*scores)(const ProxyLayout&, const uint8_t*, int64_t, int64_t, const int8_t*,
+                 const float*, int, float*, int64_t);
+  int64_t (*select)(const float*, int64_t, int64_t, std::vector<float>&, std::vector<int32_t>&,
+                    int32_t*, float*, float*);
+};
+
+inline const ProxyOps& GetProxyOps() {
+  static const ProxyOps scalar_ops{"scalar", &scalar::ProxyScores, &scalar::SelectTop};
+#ifdef PIGJAX_X86
+  static const ProxyOps avx2_ops{"avx2", &avx2::ProxyScores, &avx2::SelectTop};
+  if (UseAvx2()) return avx2_ops;
+#endif
+  return scalar_ops;
 }
 
 // Exact attention over the rows cand[0..count): the running (o, m, z) of AccumulateAttention
@@ -273,6 +454,7 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
   auto header = [&](int64_t i) { return reinterpret_cast<const RowHeader*>(rows + i * rb); };
   auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb + kRowHeaderBytes); };
   float* s = scratch;  // [kChunk]
+  [[maybe_unused]] const bool vectorized = std::strcmp(ops.isa, "avx2") == 0 && d % 8 == 0;
   for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
     const int64_t nc = std::min(kChunk, count - c0);
     float mc = -std::numeric_limits<float>::infinity();
@@ -292,9 +474,15 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
       m = mc;
     }
     z += ops.exp_sum(s, nc, m);
-    for (int64_t j = 0; j < nc; ++j) {
-      const int64_t i = cand[c0 + j];
-      ops.Axpy(s[j] * header(i)->v_scale, key(i) + d, o, d);
+    const int32_t* cc = cand + c0;
+    for (int64_t j = 0; j < nc; ++j) s[j] *= header(cc[j])->v_scale;
+#ifdef PIGJAX_X86
+    if (vectorized) {  // the weighted V sum in registers, as AccumulateAttention
+      avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], key(cc[j]) + d, o, d);
     }
   }
 }

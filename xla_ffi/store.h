@@ -251,7 +251,9 @@ struct AttendArgs {
 
 // Kernel counters (nanoseconds and counts), summed over calls and workers. Phases per query
 // head (wall time of the worker): lookup (bucket walk, collision marks, scan for candidates),
-// score (gather K rows, q.k, log u), softmax (exp, gather V rows, accumulate). Bytes are what
+// score (gather K rows, q.k, log u), softmax (exp, gather V rows, accumulate). The proxy
+// estimator: lookup = the index scan, score = the top-k selection and tail sum, softmax = the
+// exact attention over the selected rows. Bytes are what
 // the kernel must read: ids walked, and per candidate its K and V rows and its norm.
 struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
@@ -331,8 +333,8 @@ class Store {
     for (const auto& s : scratch_) b += s.Bytes();
     for (const auto& c : item_cand_) b += 4 * c.capacity();
     b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity() +
-              item_w_.capacity() + item_bias_.capacity() + item_tail_.capacity() +
-              score_.capacity());
+              item_w_.capacity() + item_sw_.capacity() + item_bias_.capacity() +
+              item_tail_.capacity() + score_.capacity()) + item_wq_.capacity();
     return b;
   }
 
@@ -367,11 +369,12 @@ class Store {
     CollisionCounter counter;
     std::vector<float> score;
     std::vector<int32_t> bucket;  // [2^K + 1]
-    std::vector<float> select;    // proxy: KthLargest's buffer [pool]
+    std::vector<float> select;    // proxy: the selection's scores [>= pool]
+    std::vector<int32_t> select_ids;  // proxy: the selection's ids [pool + 8]
     Profile prof;
     uint64_t Bytes() const {
-      return counter.mark.capacity() +
-             4 * (score.capacity() + bucket.capacity() + select.capacity());
+      return counter.mark.capacity() + 4 * (score.capacity() + bucket.capacity() +
+                                            select.capacity() + select_ids.capacity());
     }
   };
 
@@ -393,9 +396,11 @@ class Store {
   std::vector<std::vector<int32_t>> item_cand_;
   std::vector<float> item_q_, piece_o_, piece_mz_;
   std::vector<Piece> pieces_;
-  // Proxy attend: per query head the scan weights [padded] and bias, its tail's lse, and the
-  // proxy scores of every pool token ([items, max pool]).
-  std::vector<float> item_w_, item_bias_, item_tail_, score_;
+  // Proxy attend: per query head the scan's int8 weights [padded] and their scale, the bias, its
+  // tail's lse, and the proxy scores of every pool token ([items, max pool]); item_w_ is the
+  // float weights of one head before rounding [padded].
+  std::vector<float> item_w_, item_sw_, item_bias_, item_tail_, score_;
+  std::vector<int8_t> item_wq_;
 
   std::mutex mu_;  // one call at a time: calls mutate pools and share the scratch
   bool profiling_ = false;

@@ -88,7 +88,9 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
       if (item_cand_[i].size() < size_t(n + kScanSlack)) item_cand_[i].resize(n + kScanSlack);
     }
     item_q_.resize(items * d);
-    item_w_.assign(items * dp, 0.f);
+    item_w_.assign(dp, 0.f);
+    item_wq_.assign(items * dp, int8_t{0});
+    item_sw_.assign(items, 0.f);
     item_bias_.resize(items);
     item_tail_.resize(items);
     score_.resize(items * max_n);
@@ -96,7 +98,8 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     return "store_attend: out of host memory for the proxy scan's scratch.";
   }
 
-  // Query constants: w = scale * q * step, bias = scale * (q . lo + q . mu).
+  // Query constants: w = scale * q * step rounded to int8 with its power-of-two scale
+  // (QuantizeQueryWeights), bias = scale * (q . lo + q . mu).
   for (int64_t i = 0; i < items; ++i) {
     const HeadPool& p = pool_of(i);
     float* q = item_q_.data() + i * d;
@@ -108,10 +111,11 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     if (p.n == 0) continue;
     float q_lo = 0.f, q_mu = 0.f;
     for (int64_t e = 0; e < d; ++e) {
-      item_w_[i * dp + e] = scale * q[e] * p.step[e];
+      item_w_[e] = scale * q[e] * p.step[e];
       q_lo += q[e] * p.lo[e];
       q_mu += q[e] * p.mu[e];
     }
+    item_sw_[i] = QuantizeQueryWeights(l, item_w_.data(), item_wq_.data() + i * dp);
     item_bias_[i] = scale * (q_lo + q_mu);
   }
 
@@ -134,7 +138,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     const int64_t i0 = sp.b * hq + sp.kvh * group;  // the kv head's first query head
     const uint64_t t0 = prof ? NowNs() : 0;
     proxy_ops_.scores(l, Pool(a.layer, a.slots[sp.b], sp.kvh).codes.data(), sp.t0, sp.t1,
-                      item_w_.data() + i0 * dp, item_bias_.data() + i0, static_cast<int>(group),
+                      item_wq_.data() + i0 * dp, item_sw_.data() + i0, static_cast<int>(group),
                       score_.data() + i0 * max_n, max_n);
     if (prof) {
       scratch_[w].prof.lookup_ns += NowNs() - t0;
@@ -151,13 +155,15 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     Scratch& s = scratch_[w];
     const uint64_t t0 = prof ? NowNs() : 0;
     const float* sc = score_.data() + i * max_n;
-    const float tau = KthLargest(sc, p.n, ProxyKeepCount(c.proxy_fraction, p.n), s.select);
-    float z_rest = 0.f;
-    const int64_t count = proxy_ops_.split(sc, p.n, tau, item_cand_[i].data(), &z_rest);
+    float tau = 0.f, z_rest = 0.f;
+    const int64_t count = proxy_ops_.select(sc, p.n, ProxyKeepCount(c.proxy_fraction, p.n),
+                                            s.select, s.select_ids, item_cand_[i].data(), &tau,
+                                            &z_rest);
     a.count[i] = static_cast<int32_t>(count);
-    if (c.proxy_tail && z_rest > 0.f) item_tail_[i] = tau + std::log(z_rest);
+    // Scores left out the head's bias (the same for every token): the tail's lse adds it back.
+    if (c.proxy_tail && z_rest > 0.f) item_tail_[i] = item_bias_[i] + tau + std::log(z_rest);
     if (prof) {
-      s.prof.lookup_ns += NowNs() - t0;
+      s.prof.score_ns += NowNs() - t0;  // the selection (magicpig: scoring)
       s.prof.heads += 1;
       s.prof.candidates += count;
       s.prof.bytes += count * RowBytes(d, DTypeSize(c.dtype));

@@ -63,7 +63,7 @@ class PolicyCache:
   codes: tuple  # magicpig: per sparse layer [B, K, S, L] codes of k - mu; else None
   page_min: tuple  # quest: per sparse layer [B, K, P, D]; else None
   page_max: tuple
-  kq: tuple  # proxy: per sparse layer [B, K, S, D] dequantized centred keys (the index); else None
+  index: tuple  # proxy: per sparse layer estimators.ProxyIndex of the pool; else None
   vbar: tuple  # proxy: per sparse layer [B, K, D] pool mean value; else None
   probe: jax.Array  # bool scalar: return dense outputs and accumulate the error below
   err2_BY: jax.Array  # f32 per slot and sparse layer: sum over steps of |o_policy - o_dense|^2
@@ -191,9 +191,8 @@ class PoolPolicyBackend:
       else:  # attention.proxy_fraction of each slot's pool
         k_keep_B = estimators.keep_count(a.proxy_fraction, n_pool_BH[:, 0])
         k_max = int(np.ceil(a.proxy_fraction * S))
-      return estimators.proxy_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.mu[y],
-                                            cache.kq[y], cache.vbar[y], k_keep_B, k_max,
-                                            tail=a.proxy_tail)
+      return estimators.proxy_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.index[y],
+                                            cache.vbar[y], k_keep_B, k_max, tail=a.proxy_tail)
     if self.policy == "magicpig":
       w = self._hash_matrix(self.sparse_layers[y])
       return lsh.pool_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.mu[y], w,
@@ -261,13 +260,13 @@ class PoolPolicyBackend:
     S = dense.max_len
     pos_S = jnp.arange(S)
     pool_BS = (pos_S[None] >= a.sink) & (pos_S[None] < pool_end_B[:, None])
-    mu, codes, pmin, pmax, kq, vbar = [], [], [], [], [], []
+    mu, codes, pmin, pmax, index, vbar = [], [], [], [], [], []
     for layer in self.sparse_layers:
       k_BKSD = dense.k[layer].astype(jnp.float32)
       valid_BKS = jnp.broadcast_to(pool_BS[:, None], k_BKSD.shape[:3])
       if self.rule == "proxy":
-        m_, kq_, _ = estimators.quantize_keys(k_BKSD, valid_BKS, a.proxy_bits)
-        mu.append(m_), kq.append(kq_)
+        index.append(estimators.build_index(k_BKSD, valid_BKS, a.proxy_bits))
+        mu.append(index[-1].mu)
         vbar.append(estimators.pool_mean_values(dense.v[layer], valid_BKS))
       elif self.policy == "magicpig":
         m_, c_ = lsh.centre_and_hash(k_BKSD, valid_BKS, self._hash_matrix(layer), a.num_bits,
@@ -281,7 +280,7 @@ class PoolPolicyBackend:
     return PolicyCache(
         k=tuple(dense.k), v=tuple(dense.v), lengths_B=n_B, pool_end_B=pool_end_B,
         prompt_len_B=n_B, gen_pooled=jnp.int32(0), gen_count=jnp.int32(0), mu=none(mu),
-        codes=none(codes), page_min=none(pmin), page_max=none(pmax), kq=none(kq), vbar=none(vbar),
+        codes=none(codes), page_min=none(pmin), page_max=none(pmax), index=none(index), vbar=none(vbar),
         probe=jnp.bool_(False),
         err2_BY=jnp.zeros((n_B.shape[0], Y), jnp.float32),
         ref2_BY=jnp.zeros((n_B.shape[0], Y), jnp.float32),

@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from pigjax import estimators
+
 KV_ROW_BYTES = 2 * 2 * 64  # a bf16 K row + V row of head dim 64 (the store's layout)
 
 
@@ -171,14 +173,14 @@ class MagicPig:
     return o, l, cand.size, 4.0 * walked
 
 
-def quantize_keys(kc_TD: np.ndarray, bits: int) -> np.ndarray:
-  """Per-channel uniform quantization of centred keys to 2^bits levels (min/max per channel);
-  returns the dequantized keys. The per-channel min/max are O(D) per head, not per token."""
+def quantize_keys(kc_TD: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per-channel uniform quantization of centred keys to 2^bits levels (min/max per channel):
+  (lo, step, code), the dequantized keys being lo + code * step. The per-channel min/max are
+  O(D) per head, not per token."""
   lo, hi = kc_TD.min(0), kc_TD.max(0)
   levels = (1 << bits) - 1
   step = np.where(hi > lo, (hi - lo) / levels, 1.0)
-  code = np.clip(np.round((kc_TD - lo) / step), 0, levels)
-  return lo + code * step
+  return lo, step, np.clip(np.round((kc_TD - lo) / step), 0, levels)
 
 
 class ProxyTopK:
@@ -213,15 +215,17 @@ class ProxyTopK:
     if self.channels is not None:
       imp = ctx["q_abs_mean"] * np.abs(kc).mean(0)
       self.ch = np.sort(np.argsort(-imp)[:self.channels])
-      self.kq = quantize_keys(kc[:, self.ch], self.bits)
+      self.lo, self.step, self.code = quantize_keys(kc[:, self.ch], self.bits)
     else:
       self.ch = None
-      self.kq = quantize_keys(kc, self.bits)
+      self.lo, self.step, self.code = quantize_keys(kc, self.bits)
 
   def __call__(self, q_D):
     qp = q_D if self.ch is None else q_D[self.ch]
-    # Proxy score of every pool key: q . k~ approximated, plus the constant q . mu.
-    sp = (self.kq @ qp + q_D @ self.mu) * self.scale
+    # Proxy score of every pool key: q . k~ approximated, plus the constant q . mu; the weights
+    # scale * q * step rounded to int8 as the product's scan does (estimators.query_weights).
+    wq, sw = estimators.query_weights(self.scale * qp * self.step, xp=np)
+    sp = sw[0] * (self.code @ wq) + (qp @ self.lo + q_D @ self.mu) * self.scale
     t = sp.size
     kk = min(self.k_keep, t)
     top = np.argpartition(-sp, kk - 1)[:kk]
