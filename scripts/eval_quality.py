@@ -27,7 +27,9 @@ _FFI_BUDGETS = flags.DEFINE_list("ffi_budgets", ["10:150"], "Budgets for the FFI
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096"], "Context lengths in tokens.")
 _TASKS = flags.DEFINE_list("tasks", ["copy", "ppl", "passkey", "error"],
                           "Tasks to run: some of copy, ppl, passkey, multikey, error.")
-_EXAMPLES = flags.DEFINE_integer("examples", 3, "Examples per task and length (one batch).")
+_EXAMPLES = flags.DEFINE_integer("examples", 3, "Examples per task and length.")
+_BATCH = flags.DEFINE_integer("batch", 0, "Most examples run together (0: all in one batch); "
+                              "smaller batches need less memory and give the same examples.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the examples.")
 _SPAN = flags.DEFINE_integer("span", 32, "Teacher-forced tokens of the copy and ppl tasks.")
 _ERROR_TOKENS = flags.DEFINE_integer("error_tokens", 16, "Decode steps probed by the error task.")
@@ -59,7 +61,7 @@ def main(argv):
     pipe = Pipeline.load(cfg)
     h = harness.Harness(pipe.cfg, pipe.model, pipe.tokenizer, docs, out, seed=_SEED.value,
                         span=_SPAN.value, error_tokens=_ERROR_TOKENS.value)
-    h.run(methods, lengths, _TASKS.value, _EXAMPLES.value)
+    h.run(methods, lengths, _TASKS.value, _EXAMPLES.value, _BATCH.value)
     print(f"evaluation took {time.time() - t0:.0f} s")
   print(report.write(out, _MERGE.value))
 

@@ -238,6 +238,31 @@ def test_harness_writes_json_report_and_resumes(tiny, tmp_path, monkeypatch):
     h2.run(methods, [160], ["needle"], 2)
 
 
+def test_harness_batches_give_the_same_examples(tiny, tmp_path):
+  """--batch splits the examples over several prefills; each example's text, needle and scores
+  are those of the one-batch run (up to float32 batching noise)."""
+  docs = ["A long and winding road, number %d, leads to the door. " % i * 12 for i in range(4)]
+  methods = harness.expand_methods(["dense", "topk"], [(4, 16)], [])
+  kw = dict(seed=0, span=8, error_tokens=3, free_tokens=3, progress=False)
+  runs = {}
+  for batch in (0, 1):
+    h = harness.Harness(tiny.cfg, tiny.model, tiny.tokenizer, docs, tmp_path / str(batch), **kw)
+    h.runner.chunk = 64
+    # topk's k is matched to magicpig's measured fraction; give it one without running magicpig.
+    h.results["budgets"]["160"] = {"4,16": {"fraction": 0.1, "pool": 88, "k_keep": 9,
+                                             "n_pages": 1, "measured_on": "test"}}
+    runs[batch] = h.run(methods, [160], ["copy", "passkey"], 3, batch=batch)["records"]
+  key = lambda r: (r["task"], r["protocol"], r["example"], r["method"])  # noqa: E731
+  one, split = sorted(runs[0], key=key), sorted(runs[1], key=key)
+  assert [key(r) for r in one] == [key(r) for r in split] and len(one) == 2 * 2 * 2 * 3
+  for a, b in zip(one, split):
+    assert a.get("key") == b.get("key") and a.get("depth") == b.get("depth")
+    np.testing.assert_allclose(a["nll"], b["nll"], rtol=1e-4, atol=1e-4)
+    assert a["top1"] == b["top1"]
+  with pytest.raises(ValueError, match="batch must be"):
+    h.run(methods, [160], ["copy"], 3, batch=-1)
+
+
 def test_examples_are_deterministic():
   enc = lambda s: [ord(c) % 250 + 3 for c in s]
   docs = ["alpha beta gamma " * 40, "delta epsilon " * 50, "zeta eta theta " * 30]

@@ -133,39 +133,51 @@ class Harness:
 
   # -- the loop -----------------------------------------------------------------------------
 
-  def run(self, methods: list[Method], lengths, task_names, examples: int) -> dict:
+  def run(self, methods: list[Method], lengths, task_names, examples: int,
+          batch: int = 0) -> dict:
+    """Runs every method on `examples` examples per task and length, in batches of at most
+    `batch` examples (0: all in one). Example e is the same whatever the batching (its text and
+    needles come from the seed, the length and e alone), so a long context that does not fit in
+    memory as one batch can run as several."""
     bad = [t for t in task_names if t not in TASKS]
     if bad:
       raise ValueError(f"Unknown task(s) {bad}; use some of {TASKS}.")
+    if batch < 0:
+      raise ValueError(f"batch must be >= 0 (0: one batch), got {batch}.")
+    size = batch or max(1, examples)
+    chunks = [range(s, min(examples, s + size)) for s in range(0, examples, size)]
     t_start = time.time()
     for length in lengths:
-      if {"copy", "ppl", "error"} & set(task_names):
-        self._doc_group(methods, length, task_names, examples)
-      for task in ("passkey", "multikey"):
-        if task in task_names:
-          self._passkey_group(methods, length, examples, task)
+      for ex in chunks:
+        if {"copy", "ppl", "error"} & set(task_names):
+          self._doc_group(methods, length, task_names, ex)
+        for task in ("passkey", "multikey"):
+          if task in task_names:
+            self._passkey_group(methods, length, ex, task)
     self.results["runs"].append({"seconds": round(time.time() - t_start, 1)})
     self._save()
     return self.results
 
-  def _jobs_missing(self, jobs, length, examples, method) -> list:
+  def _jobs_missing(self, jobs, length, ex: range, method) -> list:
     return [j for j in jobs if any(
-        (j[0], j[1], length, e, method.name) not in self._done for e in range(examples))]
+        (j[0], j[1], length, e, method.name) not in self._done for e in ex)]
 
-  def _todo(self, methods, length, examples, jobs) -> list[Method]:
+  def _todo(self, methods, length, ex: range, jobs) -> list[Method]:
     return [m for m in methods if self._jobs_missing(
-        [j for j in jobs if m.kind not in j[2]], length, examples, m)]
+        [j for j in jobs if m.kind not in j[2]], length, ex, m)]
 
-  def _methods_loop(self, methods, length, examples, jobs, run_job, desc):
-    """Runs run_job(method, job, dense_lp) -> records for every method missing records."""
+  def _methods_loop(self, methods, length, ex: range, jobs, run_job, desc):
+    """Runs run_job(method, job, dense_lp) -> records for every method missing records of the
+    examples `ex` (one batch)."""
     from tqdm import tqdm
-    todo = self._todo(methods, length, examples, jobs)
+    todo = self._todo(methods, length, ex, jobs)
     if not todo:
       return
     if todo[0].kind != "dense":
       todo = [Method("dense")] + todo  # its log-probs are the reference for KL / agreement
     dense_lp: dict = {}
-    bar = tqdm(todo, desc=f"{desc} @ {length}", unit="method", disable=not self.progress)
+    part = f", examples {ex.start}-{ex.stop - 1}" if ex.start else ""
+    bar = tqdm(todo, desc=f"{desc} @ {length}{part}", unit="method", disable=not self.progress)
     for m in bar:
       bar.set_postfix_str(m.name)
       for job in jobs:
@@ -182,7 +194,7 @@ class Harness:
             "method": m.name, "kind": m.kind,
             "budget": list(m.budget) if m.budget else None, "fraction": fraction, **fields}
 
-  def _doc_group(self, methods, length, task_names, examples):
+  def _doc_group(self, methods, length, task_names, ex: range):
     a = self.cfg.attention
     span = self.span
     # (task, protocol, method kinds that skip it)
@@ -193,9 +205,9 @@ class Harness:
       jobs.append(("ppl", "paper", ()))
     if "error" in task_names:
       jobs.append(("error", "strict", ("dense", "magicpig_ffi")))
-    if not self._todo(methods, length, examples, jobs):
+    if not self._todo(methods, length, ex, jobs):
       return
-    batch = tasks.doc_batch(self.docs, self.tok.encode, length, range(examples), self.seed, span)
+    batch = tasks.doc_batch(self.docs, self.tok.encode, length, ex, self.seed, span)
     cue, copy_ans = tasks.copy_parts(batch, span)
     N = batch.context.shape[1]
     cache_len = length + 64
@@ -231,10 +243,10 @@ class Harness:
         err_BY = policies.layer_errors(cache)
         frac = self._fraction(be, cache)
         return [self._record(task, protocol, length, e, m, frac,
-                             layer_error=[float(x) for x in err_BY[e]],
+                             layer_error=[float(x) for x in err_BY[i]],
                              sparse_layers=be.sparse_layers,
-                             mean_error=float(err_BY[e].mean()))
-                for e in range(examples)]
+                             mean_error=float(err_BY[i].mean()))
+                for i, e in enumerate(ex)]
       frac = self._fraction(be, cache)
       if m.kind == "magicpig":
         self._match_budget(length, m, frac, pool[protocol], f"{task}/{protocol}")
@@ -243,18 +255,18 @@ class Harness:
       scores = tasks.forced_scores(lp, answer, dense_lp.get((task, protocol)))
       secs = round(time.time() - t1, 1)
       return [self._record(task, protocol, length, e, m, frac, seconds=secs, pool=pool[protocol],
-                           **scores[e]) for e in range(examples)]
+                           **scores[i]) for i, e in enumerate(ex)]
 
-    self._methods_loop(methods, length, examples, jobs, run_job, f"doc (prefill {prefill_s:.0f}s)")
+    self._methods_loop(methods, length, ex, jobs, run_job, f"doc (prefill {prefill_s:.0f}s)")
 
-  def _passkey_group(self, methods, length, examples, task="passkey"):
+  def _passkey_group(self, methods, length, ex: range, task="passkey"):
     """passkey or multikey: needles in real text, a question, a 5-digit answer."""
     a = self.cfg.attention
     jobs = [(task, "strict", ()), (task, "paper", ())]
-    if not self._todo(methods, length, examples, jobs):
+    if not self._todo(methods, length, ex, jobs):
       return
     make = tasks.passkey_batch if task == "passkey" else tasks.multikey_batch
-    batch = make(self.docs, self.tok.encode, length, range(examples), self.seed)
+    batch = make(self.docs, self.tok.encode, length, ex, self.seed)
     N, Q = batch.context.shape[1], batch.query.shape[1]
     keys = [i["key"] for i in batch.info]
     t0 = time.time()
@@ -295,12 +307,12 @@ class Harness:
       free = tasks.free_scores(gen, keys, self.tok.decode)
       secs = round(time.time() - t1, 1)
       return [self._record(task, protocol, length, e, m, frac, seconds=secs,
-                           pool=pool[protocol], key=keys[e], depth=batch.info[e]["depth"],
-                           **forced[e], first_top1=bool(first_ok[e]),
-                           free_exact=free[e]["exact"], free_text=free[e]["text"])
-              for e in range(examples)]
+                           pool=pool[protocol], key=keys[i], depth=batch.info[i]["depth"],
+                           **forced[i], first_top1=bool(first_ok[i]),
+                           free_exact=free[i]["exact"], free_text=free[i]["text"])
+              for i, e in enumerate(ex)]
 
-    self._methods_loop(methods, length, examples, jobs, run_job,
+    self._methods_loop(methods, length, ex, jobs, run_job,
                        f"{task} (prefill {prefill_s:.0f}s)")
 
   def _dense_backend(self):
