@@ -79,6 +79,7 @@ def _check(got, want, atol):
     [
         (2, 2, 3, 64, 4, 0.1, "mean", [300, 57]),
         (1, 1, 1, 64, 4, 0.03, "mean", [5000]),  # the sampled-threshold selection path
+        (1, 1, 3, 64, 4, 0.03, "mean", [1100]),  # ... from kSampleMinScores = 1024 scores on
         (3, 1, 9, 40, 3, 0.2, "none", [0, 1, 129]),  # padded channels, an empty and a 1-key pool
         (1, 2, 2, 24, 6, 0.05, "mean", [700]),  # byte-per-channel index
     ])
@@ -232,21 +233,24 @@ def test_index_memory_is_accounted():
   assert (proxy_index_bytes(4, 40), proxy_index_bytes(6, 24)) == (24, 24)  # padded groups
 
 
-def test_selection_when_the_sampled_threshold_keeps_too_few():
-  """Long pools pick the k-th score through a threshold from every 16th score; when exactly those
-  keys are the heaviest the threshold keeps fewer than k, and the selection must fall back to
-  the whole pool (and still match the reference)."""
-  B, K, G, D, T = 1, 1, 2, 32, 4096
+@pytest.mark.parametrize("T", [1600, 4096])
+def test_selection_when_the_sampled_threshold_keeps_too_few(T):
+  """Pools of 1024 scores or more pick the k-th score through a threshold from every 16th score;
+  when exactly those keys are the heaviest the threshold keeps fewer than k, and the selection
+  must fall back to the whole pool (and still match the reference)."""
+  B, K, G, D = 1, 1, 2, 32
   rng = np.random.default_rng(7)
   q = jnp.asarray(rng.normal(size=(B, K * G, D)), jnp.float32)
   heavy = (np.arange(T) % 16 == 0)[None, None, :, None]
   k = rng.normal(size=(B, K, T, D)) * 0.3 + heavy * np.asarray(q)[:, :1, None, :] * 2.0
   k, v = jnp.asarray(k, jnp.float32), jnp.asarray(rng.normal(size=(B, K, T, D)), jnp.float32)
   lengths_B = jnp.asarray([T], jnp.int32)
-  want, mu = _ref(q, k, v, lengths_B, lengths_B, bits=4, fraction=0.03, tail="mean", k_max=123)
+  k_keep = int(np.ceil(0.03 * T))
+  want, mu = _ref(q, k, v, lengths_B, lengths_B, bits=4, fraction=0.03, tail="mean",
+                  k_max=k_keep)
   with _store(B, K, D, T, fraction=0.03) as store:
     got = _attend(store, q, _insert(store, k, v, lengths_B, mu))
-  # 123 rows, plus any key whose integer scan score ties the 123rd (here one per head): the
+  # k_keep rows, plus any key whose integer scan score ties the k_keep-th (a few at most): the
   # count must equal the reference's (_check).
-  assert np.all(np.asarray(got[2]) >= 123) and np.all(np.asarray(got[2]) <= 125)
+  assert np.all(np.asarray(got[2]) >= k_keep) and np.all(np.asarray(got[2]) <= k_keep + 2)
   _check(got, want, 2e-5)

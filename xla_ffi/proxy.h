@@ -307,6 +307,11 @@ inline int64_t ProxyKeepCount(float fraction, int64_t n) {
   return std::clamp<int64_t>(k, std::min<int64_t>(n, 1), n);
 }
 
+// From this many scores on, KthLargest and avx2::SelectTop take the sampled threshold; below it a
+// selection over a copy of all the scores. 4096 before session 8 put the benchmark's 4k context
+// (a pool of 4028) on the slow side: per sparse layer nine nth_elements over 4k scores.
+constexpr int64_t kSampleMinScores = 1024;
+
 // KthLargest's threshold from every 16th score: sample rank a quarter above k's expected rank
 // (plus a margin), which usually keeps 1.25 k + 64 of n. Uses buf[0, n / 16).
 inline float SampleThreshold(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
@@ -319,7 +324,7 @@ inline float SampleThreshold(const float* s, int64_t n, int64_t k, std::vector<f
   return buf[r];
 }
 
-// The k-th largest of s[0, n) (1 <= k <= n). Below a few thousand scores, or for large k, a
+// The k-th largest of s[0, n) (1 <= k <= n). Below kSampleMinScores scores, or for large k, a
 // selection over a copy; otherwise a threshold from a strided sample first filters the scores
 // down to a few more than k (one vectorisable pass), and the selection runs over those. The
 // result is exact either way: a sample threshold that keeps fewer than k falls back.
@@ -329,7 +334,7 @@ inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>
     return buf[k - 1];
   };
   buf.resize(n);
-  if (n >= 4096 && k * 8 <= n) {
+  if (n >= kSampleMinScores && k * 8 <= n) {
     const float theta = SampleThreshold(s, n, k, buf);
     int64_t kept = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -366,7 +371,7 @@ namespace avx2 {
 PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
                                      std::vector<float>& buf, std::vector<int32_t>& ids,
                                      int32_t* sel, float* tau, float* z) {
-  if (n < 4096 || k * 8 > n) {
+  if (n < kSampleMinScores || k * 8 > n) {
     *tau = KthLargest(s, n, k, buf);
     return SplitAtThreshold(s, n, *tau, sel, z);
   }
