@@ -268,34 +268,45 @@ PIGJAX_AVX2 inline void ProxyScores(const ProxyLayout& l, const uint8_t* codes, 
   ProxyScoresNibbles(l, codes, t0, t1, wq, sw, heads, out, out_stride);
 }
 
-PIGJAX_AVX2 inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau, int32_t* sel,
-                                            float* z) {
+// One pass over s[0, n) against threshold t: the ids (and, with kScores, the scores) of s >= t
+// are compressed, ascending, into ids (and kept); the others' exp(s - t) are summed into *z.
+// Returns the count; writes up to 8 entries past it.
+template <bool kScores>
+PIGJAX_AVX2 inline int64_t CompressAtThreshold(const float* s, int64_t n, float t, int32_t* ids,
+                                               float* kept, float* z) {
   static const BitPositions table;
-  const __m256 vt = _mm256_set1_ps(tau);
+  const __m256 vt = _mm256_set1_ps(t);
   __m256 vz = _mm256_setzero_ps();
   int64_t count = 0, i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(s + i);
     const __m256 keep = _mm256_cmp_ps(x, vt, _CMP_GE_OQ);
-    // Kept scores are >= tau, so exp(min(s - tau, 0)) never overflows; they are masked out.
+    // Kept scores are >= t, so exp(min(s - t, 0)) never overflows; they are masked out.
     const __m256 e = Exp8(_mm256_min_ps(_mm256_sub_ps(x, vt), _mm256_setzero_ps()));
     vz = _mm256_add_ps(vz, _mm256_andnot_ps(keep, e));
+    // Stored whether or not any is kept: a branch on it would mispredict in a quarter of blocks.
     const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_ps(keep));
-    const __m256i p = _mm256_add_epi32(
-        _mm256_load_si256(reinterpret_cast<const __m256i*>(table.pos[bits])),
-        _mm256_set1_epi32(static_cast<int32_t>(i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sel + count), p);
+    const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.pos[bits]));
+    if constexpr (kScores) _mm256_storeu_ps(kept + count, _mm256_permutevar8x32_ps(x, p));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids + count),
+                        _mm256_add_epi32(p, _mm256_set1_epi32(static_cast<int32_t>(i))));
     count += __builtin_popcount(bits);
   }
   float zs = HSum(vz);
   for (; i < n; ++i) {
-    const bool keep = s[i] >= tau;
-    sel[count] = static_cast<int32_t>(i);
+    const bool keep = s[i] >= t;
+    ids[count] = static_cast<int32_t>(i);
+    if constexpr (kScores) kept[count] = s[i];
     count += keep;
-    if (!keep) zs += std::exp(s[i] - tau);
+    if (!keep) zs += std::exp(s[i] - t);
   }
   *z = zs;
   return count;
+}
+
+PIGJAX_AVX2 inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau, int32_t* sel,
+                                            float* z) {
+  return CompressAtThreshold<false>(s, n, tau, sel, nullptr, z);
 }
 #undef PIGJAX_AVX2
 }  // namespace avx2
@@ -375,36 +386,12 @@ PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
     *tau = KthLargest(s, n, k, buf);
     return SplitAtThreshold(s, n, *tau, sel, z);
   }
-  static const BitPositions table;
   const float theta = SampleThreshold(s, n, k, buf);
   ids.resize(n + 8);
   float* vb = buf.data();
   int32_t* ib = ids.data();
-  const __m256 vt = _mm256_set1_ps(theta);
-  __m256 vz = _mm256_setzero_ps();
-  int64_t kept = 0, i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(s + i);
-    const __m256 keep = _mm256_cmp_ps(x, vt, _CMP_GE_OQ);
-    const __m256 e = Exp8(_mm256_min_ps(_mm256_sub_ps(x, vt), _mm256_setzero_ps()));
-    vz = _mm256_add_ps(vz, _mm256_andnot_ps(keep, e));
-    // Stored whether or not any is kept: a branch on it would mispredict in a quarter of blocks.
-    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_ps(keep));
-    const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.pos[bits]));
-    _mm256_storeu_ps(vb + kept, _mm256_permutevar8x32_ps(x, p));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ib + kept),
-                        _mm256_add_epi32(p, _mm256_set1_epi32(static_cast<int32_t>(i))));
-    kept += __builtin_popcount(bits);
-  }
-  float z_lo = HSum(vz);
-  for (; i < n; ++i) {
-    if (s[i] >= theta) {
-      vb[kept] = s[i];
-      ib[kept++] = static_cast<int32_t>(i);
-    } else {
-      z_lo += std::exp(s[i] - theta);
-    }
-  }
+  float z_lo = 0.f;
+  const int64_t kept = CompressAtThreshold<true>(s, n, theta, ib, vb, &z_lo);
   if (kept < k) {
     *tau = KthLargest(s, n, k, buf);
     return SplitAtThreshold(s, n, *tau, sel, z);
