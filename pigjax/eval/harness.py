@@ -176,8 +176,8 @@ class Harness:
     if todo[0].kind != "dense":
       todo = [Method("dense")] + todo  # its log-probs are the reference for KL / agreement
     dense_lp: dict = {}
-    part = f", examples {ex.start}-{ex.stop - 1}" if ex.start else ""
-    bar = tqdm(todo, desc=f"{desc} @ {length}{part}", unit="method", disable=not self.progress)
+    bar = tqdm(todo, desc=f"{desc} @ {length}, examples {ex.start}-{ex.stop - 1}", unit="method",
+               disable=not self.progress)
     for m in bar:
       bar.set_postfix_str(m.name)
       for job in jobs:
