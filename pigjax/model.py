@@ -267,6 +267,10 @@ def attach_quantized(model: Llama, tensors: dict[str, np.ndarray], fmt: str,
     target = "q8_0" if fmt == "gguf" else fmt  # GGUF formats the kernel cannot read, or mixed
     return quant.quantize(np.concatenate([tensors[n] for n in names], 0), target, act_bits)
 
+  def packed(w: quant.QTensor) -> quant.QTensor:
+    """The kernel's packed layout where the row count allows (xla_ffi/quant.h)."""
+    return quant.pack(w) if w.n % quant.PACK_ROWS == 0 else w
+
   total = 0
   for i, blk in enumerate(model.layers):
     p = f"model.layers.{i}."
@@ -276,10 +280,10 @@ def attach_quantized(model: Llama, tensors: dict[str, np.ndarray], fmt: str,
                         ("o_q", [attn + "o_proj.weight"]),
                         ("gate_up_q", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
                         ("down_q", [mlp + "down_proj.weight"])):
-      w = group(names)
+      w = packed(group(names))
       total += w.nbytes
       setattr(blk, attr, nnx.data(QuantWeight(w)))
   head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-  w = group([head])
+  w = packed(group([head]))
   model.lm_head_q = nnx.data(QuantWeight(w))
   return total + w.nbytes

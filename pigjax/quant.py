@@ -9,6 +9,9 @@ the block products as exact as the float32 product with the dequantized weights,
 cost in the kernel.
 
 `QTensor` is a weight in blocks (a pytree: the bytes are the leaf, the format and shape static).
+`pack` reorders a weight's blocks into the kernel's packed layout (rows in groups of four, each
+block of a group stored as the four rows' scales and then their codes; xla_ffi/quant.h), which
+the model uses: the kernel then reads one stream per thread and loads four scales at once.
 `matmul` is the FFI call; `matmul_reference` is its pure-jnp twin, which performs the same integer
 block products, so the two agree to float32 summation order.
 
@@ -46,11 +49,13 @@ class QTensor:
     int8 bytes per element: the result equals the float32 product with the dequantized weight to
     about 1e-5) or 8 (one byte, llama.cpp's rounding: as fast on AVX2, errors of about 1%
     of the output's scale).
+  packed: blocks_NR holds the packed layout (`pack`), the same bytes reordered.
   """
   blocks_NR: jax.Array
   fmt: str = dataclasses.field(metadata=dict(static=True))
   k: int = dataclasses.field(metadata=dict(static=True))
   act_bits: int = dataclasses.field(default=16, metadata=dict(static=True))
+  packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def __post_init__(self):
     _check_format(self.fmt)
@@ -96,8 +101,48 @@ def from_gguf_blocks(blocks_NR: np.ndarray, gguf_type, k: int,
   return QTensor(jnp.asarray(blocks_NR), fmt, k, act_bits)
 
 
+PACK_ROWS = 4  # rows per group of the packed layout
+
+
+def pack(w: QTensor) -> QTensor:
+  """The packed layout of `w` (N a multiple of 4): for each group of four rows and each block,
+  the four rows' f16 scales d (then, for Q4_1, their f16 minimums m), then their codes."""
+  if w.packed:
+    return w
+  if w.n % PACK_ROWS:
+    raise ValueError(f"The packed layout needs a multiple of {PACK_ROWS} rows, got {w.n}.")
+  nb, nbytes = w.k // BLOCK, FORMATS[w.fmt][1]
+  head = _header_bytes(w.fmt)
+  blk = w.blocks_NR.reshape(w.n // PACK_ROWS, PACK_ROWS, nb, nbytes).transpose(0, 2, 1, 3)
+  # [G, nb, row, field, byte] -> [G, nb, field, row, byte]: d of the four rows, then m.
+  hdr = blk[..., :head].reshape(*blk.shape[:3], head // 2, 2).transpose(0, 1, 3, 2, 4)
+  codes = blk[..., head:]
+  x4 = jnp.concatenate([hdr.reshape(*blk.shape[:2], -1), codes.reshape(*blk.shape[:2], -1)], -1)
+  return dataclasses.replace(w, blocks_NR=x4.reshape(w.n, -1), packed=True)
+
+
+def unpack(w: QTensor) -> QTensor:
+  """The GGUF layout of a packed weight (`pack`'s inverse)."""
+  if not w.packed:
+    return w
+  nb, nbytes = w.k // BLOCK, FORMATS[w.fmt][1]
+  head, groups = _header_bytes(w.fmt), w.n // PACK_ROWS
+  x4 = w.blocks_NR.reshape(groups, nb, PACK_ROWS * nbytes)
+  hdr = x4[..., :PACK_ROWS * head].reshape(groups, nb, head // 2, PACK_ROWS, 2)
+  hdr = hdr.transpose(0, 1, 3, 2, 4).reshape(groups, nb, PACK_ROWS, head)
+  codes = x4[..., PACK_ROWS * head:].reshape(groups, nb, PACK_ROWS, nbytes - head)
+  blk = jnp.concatenate([hdr, codes], -1).transpose(0, 2, 1, 3)
+  return dataclasses.replace(w, blocks_NR=blk.reshape(w.n, -1), packed=False)
+
+
+def _header_bytes(fmt: str) -> int:
+  """Bytes of a block before its codes: f16 d, and f16 m for Q4_1."""
+  return 4 if fmt == "q4_1" else 2
+
+
 def concat_rows(tensors: list[QTensor]) -> QTensor:
   """Stacks weights with the same format and K along N (e.g. q, k, v into one matmul)."""
+  tensors = [unpack(t) for t in tensors]
   kinds = {(t.fmt, t.k, t.act_bits) for t in tensors}
   if len(kinds) != 1:
     raise ValueError(f"Can only concatenate weights of one format, K and act_bits; got {kinds}.")
@@ -107,6 +152,7 @@ def concat_rows(tensors: list[QTensor]) -> QTensor:
 
 def dequantize(w: QTensor) -> jax.Array:
   """float32 [N, K] values of the blocks (pure jnp)."""
+  w = unpack(w)
   N, nb = w.n, w.k // BLOCK
   blk = w.blocks_NR.reshape(N, nb, -1)
   d = _half(blk[..., 0:2])
@@ -147,6 +193,7 @@ def quantize_activations(x_MK: jax.Array, act_bits: int = 16):
 def matmul_reference(x_MK: jax.Array, w: QTensor) -> jax.Array:
   """Pure-jnp twin of `matmul`: the same activation blocks and integer block products."""
   q, r, d_x, s_x = quantize_activations(x_MK, w.act_bits)
+  w = unpack(w)
   N, nb = w.n, w.k // BLOCK
   blk = w.blocks_NR.reshape(N, nb, -1)
   d_w = _half(blk[..., 0:2])
@@ -172,7 +219,7 @@ def matmul(x_MK: jax.Array, w: QTensor) -> jax.Array:
   out = jax.ShapeDtypeStruct((x_MK.shape[0], w.n), jnp.float32)
   return jax.ffi.ffi_call("pigjax_quant_matmul", out)(
       x_MK.astype(jnp.float32), w.blocks_NR, format=np.int32(FORMATS[w.fmt][0]),
-      act_bits=np.int32(w.act_bits))
+      act_bits=np.int32(w.act_bits), packed=np.int32(w.packed))
 
 
 def linear(x_BTE: jax.Array, w: QTensor) -> jax.Array:

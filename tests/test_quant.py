@@ -53,9 +53,14 @@ def _activations(rng, m, k):
 @pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("m,k,n", [(1, 32, 1), (3, 64, 7), (5, 1536, 577),
                                    (16, 96, 130)])
-def test_kernel_matches_twin_and_dequantized_matmul(kernel, fmt, act_bits, m, k, n):
+@pytest.mark.parametrize("packed", [False, True])
+def test_kernel_matches_twin_and_dequantized_matmul(kernel, fmt, act_bits, m, k, n, packed):
+  if packed:
+    n += -n % quant.PACK_ROWS  # the packed layout takes groups of four rows
   rng = np.random.default_rng(m * 1000 + n)
   w = _weight(rng, n, k, fmt, act_bits)
+  if packed:
+    w = quant.pack(w)
   x = _activations(rng, m, k)
   got = np.asarray(jax.jit(quant.matmul)(x, w))
   twin = np.asarray(quant.matmul_reference(jnp.asarray(x), w))
@@ -70,6 +75,27 @@ def test_kernel_matches_twin_and_dequantized_matmul(kernel, fmt, act_bits, m, k,
   np.testing.assert_allclose(got, exact, rtol=0, atol=tol * scale)
   if act_bits == 8:  # and 8 bits really are coarser (the knob does something)
     assert np.abs(got - exact).max() > 1e-4 * scale
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_layout_is_the_gguf_bytes_regrouped(fmt):
+  rng = np.random.default_rng(2)
+  w = _weight(rng, 8, 64, fmt)
+  p = quant.pack(w)
+  assert p.packed and p.blocks_NR.shape == w.blocks_NR.shape
+  gguf_rows = np.asarray(w.blocks_NR).reshape(8, 2, -1)  # [row, block, bytes]
+  head = 4 if fmt == "q4_1" else 2
+  x4 = np.asarray(p.blocks_NR).reshape(2, 2, -1)  # [group, block, x4 bytes]
+  # Group 1, block 1: the d of rows 4-7, their m (Q4_1), then their codes row after row.
+  rows = gguf_rows[4:8, 1]
+  want = np.concatenate([rows[:, 0:2].ravel()]
+                        + ([rows[:, 2:4].ravel()] if fmt == "q4_1" else [])
+                        + [rows[:, head:].ravel()])
+  np.testing.assert_array_equal(x4[1, 1], want)
+  np.testing.assert_array_equal(np.asarray(quant.unpack(p).blocks_NR), np.asarray(w.blocks_NR))
+  np.testing.assert_array_equal(np.asarray(quant.dequantize(p)), np.asarray(quant.dequantize(w)))
+  with pytest.raises(ValueError, match="multiple of 4 rows"):
+    quant.pack(_weight(rng, 6, 64, fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -90,8 +116,8 @@ def test_kernel_paths_agree():
       if env:
         mp.setenv("PIGJAX_KERNELS", env)
       outs.append([np.asarray(quant.matmul(_activations(np.random.default_rng(3), 4, 256),
-                                           _weight(np.random.default_rng(4), 33, 256, fmt)))
-                   for fmt in FORMATS])
+                                           layout(_weight(np.random.default_rng(4), 36, 256, fmt))))
+                   for fmt in FORMATS for layout in (lambda w: w, quant.pack)])
   for a, b in zip(*outs):
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(b).max())
 
@@ -104,10 +130,11 @@ def test_nonfinite_activation_gives_nonfinite_output():
   assert np.isfinite(y[0]).all() and not np.isfinite(y[1]).any()
 
 
-def _raw_call(x, w, fmt=0, act_bits=16, out_shape=None):
+def _raw_call(x, w, fmt=0, act_bits=16, packed=0, out_shape=None):
   out = jax.ShapeDtypeStruct(out_shape or (x.shape[0], w.shape[0]), jnp.float32)
   return jax.ffi.ffi_call("pigjax_quant_matmul", out)(x, w, format=np.int32(fmt),
-                                                     act_bits=np.int32(act_bits))
+                                                     act_bits=np.int32(act_bits),
+                                                     packed=np.int32(packed))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -122,6 +149,10 @@ def _raw_call(x, w, fmt=0, act_bits=16, out_shape=None):
      "act_bits must be 8 or 16"),
     (dict(x=np.ones((2, 64), np.float32), w=np.zeros((3, 68), np.uint8), out_shape=(2, 4)),
      "result must be float32 \\[2, 3\\]"),
+    (dict(x=np.ones((2, 64), np.float32), w=np.zeros((4, 68), np.uint8), packed=2),
+     "packed must be 0 or 1"),
+    (dict(x=np.ones((2, 64), np.float32), w=np.zeros((3, 68), np.uint8), packed=1),
+     "w in the packed layout needs a multiple of 4 rows, got 3"),
 ])
 def test_bad_operands_are_errors_that_name_them(args, message):
   with pytest.raises(Exception, match=message):

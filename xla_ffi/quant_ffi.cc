@@ -31,7 +31,7 @@ constexpr int64_t kMinParallelBlocks = 8192;
 constexpr int64_t kRowsPerTask = 64;
 
 ffi::Error QMatMulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, int32_t format, int32_t act_bits,
-                       ffi::Result<ffi::AnyBuffer> y) {
+                       int32_t packed, ffi::Result<ffi::AnyBuffer> y) {
   constexpr const char* fn = "quant_matmul";
   auto err = [](std::string msg) { return ffi::Error::InvalidArgument(std::move(msg)); };
   if (format < 0 || format >= quant::kNumFormats) {
@@ -42,6 +42,9 @@ ffi::Error QMatMulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, int32_t format, int32
     return err(Str(fn, ": act_bits must be 8 or 16, got ", act_bits, "."));
   }
   const bool low = act_bits == 16;
+  if (packed != 0 && packed != 1) {
+    return err(Str(fn, ": packed must be 0 or 1, got ", packed, "."));
+  }
   if (x.element_type() != ffi::DataType::F32) {
     return err(Str(fn, ": x must be float32, got ", x.element_type(), "."));
   }
@@ -66,6 +69,10 @@ ffi::Error QMatMulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, int32_t format, int32
     return err(Str(fn, ": w has ", row_bytes, " bytes per row; ", quant::FormatName(f), " needs ",
                    nb, " blocks x ", bytes, " bytes = ", nb * bytes, " for K=", K, "."));
   }
+  if (packed && N % quant::kPackRows != 0) {
+    return err(Str(fn, ": w in the packed layout needs a multiple of ", quant::kPackRows,
+                   " rows, got ", N, "."));
+  }
   if (y->element_type() != ffi::DataType::F32 || y->dimensions().size() != 2 ||
       y->dimensions()[0] != M || y->dimensions()[1] != N) {
     return err(Str(fn, ": the result must be float32 [", M, ", ", N, "]."));
@@ -86,7 +93,7 @@ ffi::Error QMatMulImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, int32_t format, int32
       tasks,
       [&](int64_t t, int) {
         const int64_t n0 = t * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
-        ops.matmul_rows(f, low, wp, nb, xqp, M, n0, n1, yp, N);
+        ops.matmul_rows(f, low, packed, wp, nb, xqp, M, n0, n1, yp, N);
       },
       /*inline_only=*/M * N * nb < kMinParallelBlocks);
   return ffi::Error::Success();
@@ -100,6 +107,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatMul, QMatMulImpl,
                                   .Arg<ffi::AnyBuffer>()  // w: u8[N, K / 32 * block bytes]
                                   .Attr<int32_t>("format")
                                   .Attr<int32_t>("act_bits")  // 8 or 16 (see quant.h ActBlock)
+                                  .Attr<int32_t>("packed")  // 1: the packed layout (quant.h)
                                   .Ret<ffi::AnyBuffer>());  // y: f32[M, N]
 
 namespace pigjax {
