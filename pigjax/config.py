@@ -110,6 +110,9 @@ class Config:
   # Face Llama directory or an Orbax checkpoint written by scripts/convert_checkpoint.py.
   checkpoint: str = "smollm2"
   dtype: str = "float32"  # activations and weights: "float32" | "bfloat16"
+  # The KV cache (the dense cache, MagicPIG's exact buffer): "auto" (= dtype), "float32" or
+  # "bfloat16" (half the bytes every dense decode step reads, as llama.cpp's f16 cache).
+  cache_dtype: str = "auto"
   # Weights of the decode step's matmuls: "dense" (XLA matmuls on `dtype` weights), "q8_0" |
   # "q4_0" | "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's
   # own blocks as stored; Q8_0 for tensors in other formats) or "auto" (the default: "gguf" for

@@ -82,6 +82,7 @@ class Engine:
     self.sharding = Sharding.create(cfg.mesh, cfg.model)
     self.params = self.sharding.place_params(self.params)
     self.backend = backend or DenseBackend(cfg)
+    self.cache_dtype = kv_cache_dtype(cfg, model.dtype)
     self._compiled: dict[Any, Callable] = {}
 
   # -- jitted pieces ------------------------------------------------------------------------
@@ -183,7 +184,7 @@ class Engine:
       history_BS[b, :len(p)] = p
     lengths_B = np.array(lengths, np.int32)
 
-    cache = sh.place_cache(self.backend.create_cache(batch, cache_len, self.model.dtype))
+    cache = sh.place_cache(self.backend.create_cache(batch, cache_len, self.cache_dtype))
     last_hidden_BE = sh.rows(np.zeros((B, self.cfg.model.hidden_size), self.model.dtype))
     key = sh.replicated(jax.random.key(sc.seed))
     history = sh.rows(history_BS)
@@ -254,6 +255,11 @@ def _sample(logits_BV, key, history_BS, sc: SamplingConfig):
                          top_p=sc.top_p, min_p=sc.min_p,
                          repetition_penalty=sc.repetition_penalty,
                          prev_tokens_BT=history_BS if sc.repetition_penalty != 1.0 else None)
+
+
+def kv_cache_dtype(cfg: Config, model_dtype) -> jnp.dtype:
+  """The KV cache's dtype: `cfg.cache_dtype`, or the model's for "auto"."""
+  return jnp.dtype(model_dtype if cfg.cache_dtype == "auto" else cfg.cache_dtype)
 
 
 class DenseBackend:

@@ -138,6 +138,9 @@ def validate(cfg: Config) -> None:
                      "file, a Hugging Face Llama directory or a pigjax Orbax checkpoint.")
   if cfg.dtype not in _DTYPES:
     raise ValueError(f"Unknown dtype {cfg.dtype!r}; use one of {sorted(_DTYPES)}.")
+  if cfg.cache_dtype != "auto" and cfg.cache_dtype not in _DTYPES:
+    raise ValueError(f"Unknown cache_dtype {cfg.cache_dtype!r}; use 'auto' or one of "
+                     f"{sorted(_DTYPES)}.")
   validate_attention(cfg.attention)
   if cfg.weights not in WEIGHT_FORMATS:
     raise ValueError(f"Unknown weights {cfg.weights!r}; use one of {list(WEIGHT_FORMATS)}.")

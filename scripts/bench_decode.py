@@ -43,6 +43,9 @@ flags.DEFINE_integer("source_tokens", 2048, "Tokens per piece (documents) or of 
 flags.DEFINE_string("piece_cache", str(bench_contexts.DEFAULT_CACHE_DIR),
                     "Where prefilled document pieces are cached (git-ignored data/).")
 flags.DEFINE_string("store_dtype", "bfloat16", "MagicPIG host K/V: bfloat16, float32 or int8.")
+flags.DEFINE_enum("cache_dtype", "auto", ["auto", "float32", "bfloat16"],
+                  "Dense KV cache (and MagicPIG's exact buffer): auto = the model's float32, "
+                  "bfloat16 where that does not fit in memory.")
 flags.DEFINE_string("weights", "", "Config.weights for both methods (dense | auto | gguf | q8_0 | "
                     "q4_0 | q4_1); '' keeps the default.")
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds per context.")
@@ -157,14 +160,17 @@ def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, p
       dtype=a.store_dtype, estimator=est) for est in ["magicpig"] + (["proxy"] if proxy else []))
   avail = store.available_bytes() or 1 << 50
   dtype = None
-  for itemsize, dt in ((4, None), (2, jnp.bfloat16)):
+  choices = {"auto": ((4, None), (2, jnp.bfloat16)), "float32": ((4, jnp.float32),),
+             "bfloat16": ((2, jnp.bfloat16),)}[FLAGS.cache_dtype]
+  for itemsize, dt in choices:
     need = store_need + itemsize * 2 * m.num_layers * m.num_kv_heads * capacity * m.head_dim * batch
     if need + FLAGS.memory_margin_gb * 2**30 < avail:
       dtype = dt or pipe.model.dtype
       break
   if dtype is None:
-    res["smollm2"].append(dict(context=n, batch=batch, skipped=f"needs {need / 2**30:.1f} GiB with a bf16 "
-                               f"dense cache; {avail / 2**30:.1f} GiB available"))
+    res["smollm2"].append(dict(context=n, batch=batch, skipped=f"needs {need / 2**30:.1f} GiB with a "
+                               f"{jnp.dtype(choices[-1][1] or jnp.float32).name} dense cache; "
+                               f"{avail / 2**30:.1f} GiB available"))
     log(res["smollm2"][-1])
     save(res)
     return

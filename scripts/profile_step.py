@@ -17,7 +17,7 @@ from absl import app, flags
 
 from pigjax import bench, bench_contexts
 from pigjax.config import AttentionConfig, Config
-from pigjax.engine import Engine
+from pigjax.engine import Engine, kv_cache_dtype
 from pigjax.magicpig import MagicPigBackend
 from pigjax.pipeline import Pipeline
 from pigjax.store import HostKVStore
@@ -28,6 +28,8 @@ _DENSE = flags.DEFINE_bool("dense", False, "Also time the dense step, interleave
 _WEIGHTS = flags.DEFINE_string("weights", "gguf", "Config.weights.")
 _STORE_DTYPE = flags.DEFINE_string("store_dtype", "bfloat16", "Host K/V dtype.")
 _ESTIMATOR = flags.DEFINE_string("estimator", "magicpig", "attention.estimator.")
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "auto", ["auto", "float32", "bfloat16"],
+                                 "Config.cache_dtype (the dense cache, MagicPIG's exact buffer).")
 
 
 def main(argv):
@@ -36,7 +38,8 @@ def main(argv):
   att = AttentionConfig(kind="magicpig", num_bits=10, num_tables=150,
                         store_dtype=_STORE_DTYPE.value, estimator=_ESTIMATOR.value)
   pipe = Pipeline.load(Config(checkpoint="smollm2", max_seq_len=n + 512, attention=att,
-                              weights=_WEIGHTS.value), progress=False)
+                              weights=_WEIGHTS.value, cache_dtype=_CACHE_DTYPE.value),
+                       progress=False)
   cfg = pipe.cfg
   a, m = cfg.attention, cfg.model
   dense_engine = Engine(dataclasses.replace(cfg, attention=dataclasses.replace(a, kind="dense")),
@@ -54,7 +57,8 @@ def main(argv):
   pieces = [bench_contexts.piece_kv(dense_engine, p, bench_contexts.DEFAULT_CACHE_DIR, print)
             for p in piece_ids]
   capacity = n + 256
-  dense = bench_contexts.stitched_cache(pieces, n, capacity, m, a.sink, pipe.model.dtype)
+  dense = bench_contexts.stitched_cache(pieces, n, capacity, m, a.sink,
+                                       kv_cache_dtype(cfg, pipe.model.dtype))
   t0 = time.perf_counter()
   pc = bench.magicpig_cache(backend, dense, n)
   print(f"store built in {time.perf_counter() - t0:.1f} s, {backend.store.memory_bytes() / 1e9:.2f} GB")

@@ -232,6 +232,8 @@ def test_config_weights_validated_before_loading():
     Pipeline.load(Config(checkpoint="smollm2", weights="q3"), progress=False)
   with pytest.raises(ValueError, match="act_bits must be 8 or 16"):
     Pipeline.load(Config(checkpoint="smollm2", act_bits=4), progress=False)
+  with pytest.raises(ValueError, match="Unknown cache_dtype 'float16'"):
+    Pipeline.load(Config(checkpoint="smollm2", cache_dtype="float16"), progress=False)
   with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
     Pipeline.load(Config(checkpoint="/nonexistent/dir", weights="gguf"), progress=False)
 
@@ -328,4 +330,22 @@ def test_quantized_greedy_continuation_equals_float32_reference(qpipe):
   assert new[0] == gpl["greedy_new_ids"]
   new, _, _ = qpipe.engine.generate([ref["chat_prompt_ids"]],
                                     SamplingConfig(max_new_tokens=len(ref["greedy_new_ids"])))
+  assert new[0] == ref["greedy_new_ids"]
+
+
+@needs_ref
+def test_bfloat16_cache_decodes_greedily_like_float32(qpipe):
+  """`cache_dtype="bfloat16"` (half the bytes a dense decode step reads) keeps both reference
+  continuations, as the float32 cache does."""
+  from pigjax import bench
+  from pigjax.engine import Engine
+  ref = json.loads((REF / "smollm2_135m_transformers.json").read_text())
+  gpl = json.loads((REF / "smollm2_135m_gpl3_400.json").read_text())
+  engine = Engine(dataclasses.replace(qpipe.cfg, cache_dtype="bfloat16"), qpipe.model)
+  cache, _ = bench.real_prefill(engine, gpl["prompt_ids"][:64])
+  assert cache.k[0].dtype == jnp.bfloat16 and cache.v[-1].dtype == jnp.bfloat16
+  new, _, _ = engine.generate([gpl["prompt_ids"]], SamplingConfig(max_new_tokens=24))
+  assert new[0] == gpl["greedy_new_ids"]
+  new, _, _ = engine.generate([ref["chat_prompt_ids"]],
+                              SamplingConfig(max_new_tokens=len(ref["greedy_new_ids"])))
   assert new[0] == ref["greedy_new_ids"]

@@ -27,7 +27,7 @@ import numpy as np
 
 from pigjax import attention, sampling, sharding
 from pigjax.config import Config
-from pigjax.engine import Engine, _bucket
+from pigjax.engine import Engine, _bucket, kv_cache_dtype
 from pigjax.model import Llama
 from pigjax.serving.rows import make_row_backend
 
@@ -74,7 +74,8 @@ class SlotBatch:
     self.engine = Engine(cfg, model, self.backend)
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      self.cache = self.backend.init_running(slots, cache_len, model.dtype)
+      self.cache_dtype = kv_cache_dtype(cfg, model.dtype)
+      self.cache = self.backend.init_running(slots, cache_len, self.cache_dtype)
     self.hidden = cfg.model.hidden_size
     self.dtype = model.dtype
 
@@ -88,7 +89,7 @@ class SlotBatch:
     step_len = min(self.cfg.prefill_chunk, _bucket(len(prompt_ids), 32))
     m = self.cfg.model
     cache = attention.DenseCache.create(m.num_layers, 1, m.num_kv_heads, self.cache_len,
-                                        m.head_dim, self.dtype)
+                                        m.head_dim, self.cache_dtype)
     return Prefill(list(prompt_ids), cache, jnp.zeros((1, self.hidden), self.dtype), step_len)
 
   def prefill_chunk(self, p: Prefill) -> None:
