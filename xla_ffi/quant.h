@@ -7,9 +7,10 @@
 // f32 scale and the block's exact f32 sum (used by the weights' offset term). Every block product
 // is an integer dot: the weight codes widened to int16 and two AVX2 `madd`s, which costs the same
 // as llama.cpp's 8-bit `maddubs` + `madd` (on the 2-core Zen machine both are bound by the one
-// vector-multiply pipe) while keeping 16 bits of the activation. Four output rows share each
-// activation load and fold their dots into one vector for a single scale multiply; a scalar
-// fallback does the same integer arithmetic; rows are split over a thread pool.
+// vector-multiply pipe) while keeping 16 bits of the activation. In the packed layout four
+// output rows share each activation load and fold their dots into one vector for a single scale
+// multiply (the GGUF layout runs row by row); a scalar fallback does the same integer
+// arithmetic; rows are split over a thread pool.
 //
 // Block layouts (identical to ggml's, so GGUF tensors are used as stored):
 //   Q8_0: f16 d, int8 q[32]                  w_j = d q_j                           34 bytes
@@ -231,14 +232,6 @@ PIGJAX_QUANT_AVX2 inline uint16_t U16(const uint8_t* p) {
   return h;
 }
 
-// Four halves at p, p + stride, p + 2 stride, p + 3 stride as four floats.
-PIGJAX_QUANT_AVX2 inline __m128 Halves4(const uint8_t* p, int64_t stride) {
-  return _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(U16(p)),
-                                     static_cast<int16_t>(U16(p + stride)),
-                                     static_cast<int16_t>(U16(p + 2 * stride)),
-                                     static_cast<int16_t>(U16(p + 3 * stride)), 0, 0, 0, 0));
-}
-
 PIGJAX_QUANT_AVX2 inline void QuantizeRow(const float* x, int64_t k, bool low, ActBlock* out) {
   const __m256 sign_mask = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -279,89 +272,6 @@ PIGJAX_QUANT_AVX2 inline void QuantizeRow(const float* x, int64_t k, bool low, A
   }
 }
 
-// sum_j code_j v_j of one weight block as 8 int32 lanes; x0, x1 hold v_0..15 and v_16..31.
-template <Format F>
-PIGJAX_QUANT_AVX2 inline __m256i BlockDot(const uint8_t* blk, __m256i x0, __m256i x1) {
-  __m256i c0, c1;
-  if constexpr (F == Format::kQ8_0) {
-    c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-    c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-  } else {
-    // Byte j holds code j (low nibble) and code j + 16 (high nibble); centred by -8.
-    const __m256i bytes = _mm256_cvtepu8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Format::kQ4_1 ? 4 : 2))));
-    const __m256i eight = _mm256_set1_epi16(8);
-    c0 = _mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), eight);
-    c1 = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight);
-  }
-  return _mm256_add_epi32(_mm256_madd_epi16(c0, x0), _mm256_madd_epi16(c1, x1));
-}
-
-// Rows [n0, n1): four rows per pass share each activation block load, and their four integer
-// block dots are folded into one vector (lanes: rows 0-3, twice) that takes one scale multiply.
-// Prefetch distance in rows: the next pass's four rows (measured best of 4, 8, 16 and 32 rows on
-// the 2-core AMD EPYC for a 49152 x 576 Q4_1 matrix; the hardware prefetcher alone trails).
-constexpr int kPrefetchRows = 4;
-
-template <Format F>
-PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
-                                   int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int bytes = F == Format::kQ8_0 ? 34 : F == Format::kQ4_0 ? 18 : 20;
-  const int64_t row_bytes = nb * bytes;
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const uint8_t* wr = w + n * row_bytes;
-    for (int64_t m = 0; m < M; ++m) {
-      const ActBlock* xm = xq + m * nb;
-      __m256 acc = _mm256_setzero_ps();
-      __m128 off = _mm_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wr + b * bytes;
-        // The next pass's rows (contiguous after these four): one line ahead per block.
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * row_bytes), _MM_HINT_T0);
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v + 16));
-        const __m256i d0 = BlockDot<F>(blk, x0, x1);
-        const __m256i d1 = BlockDot<F>(blk + row_bytes, x0, x1);
-        const __m256i d2 = BlockDot<F>(blk + 2 * row_bytes, x0, x1);
-        const __m256i d3 = BlockDot<F>(blk + 3 * row_bytes, x0, x1);
-        // [r0 r1 r2 r3 | r0 r1 r2 r3], each lane half of a row's block dot.
-        const __m256i dots =
-            _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
-        const __m128 dw = Halves4(blk, row_bytes);
-        const __m128 scale = _mm_mul_ps(dw, _mm_set1_ps(xm[b].d));
-        acc = _mm256_fmadd_ps(_mm256_set_m128(scale, scale), _mm256_cvtepi32_ps(dots), acc);
-        if constexpr (F == Format::kQ4_1) {
-          // offset c = m + 8 d of each row, times the activation block's sum.
-          const __m128 c = _mm_fmadd_ps(dw, _mm_set1_ps(8.f), Halves4(blk + 2, row_bytes));
-          off = _mm_fmadd_ps(c, _mm_set1_ps(xm[b].s), off);
-        }
-      }
-      const __m128 out = _mm_add_ps(
-          _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), off);
-      alignas(16) float r4[4];
-      _mm_store_ps(r4, out);
-      for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = r4[r];
-    }
-  }
-  for (; n < n1; ++n) {  // the last rows one at a time
-    const uint8_t* wr = w + n * row_bytes;
-    for (int64_t m = 0; m < M; ++m) {
-      const ActBlock* xm = xq + m * nb;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wr + b * bytes;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v + 16));
-        const float d = _cvtsh_ss(U16(blk));
-        acc += d * xm[b].d * static_cast<float>(HSum(BlockDot<F>(blk, x0, x1)));
-        if constexpr (F == Format::kQ4_1) acc += (_cvtsh_ss(U16(blk + 2)) + 8.f * d) * xm[b].s;
-      }
-      y[m * ldy + n] = acc;
-    }
-  }
-}
-
 // sum_j code_j v_j of one row's codes as 8 int32 lanes, with the raw nibbles (0..15) for Q4: the
 // caller subtracts 8 sv (ActBlock) from the row's sum.
 template <Format F>
@@ -379,10 +289,39 @@ PIGJAX_QUANT_AVX2 inline __m256i RawCodesDot(const uint8_t* codes, __m256i x0, _
   return _mm256_add_epi32(_mm256_madd_epi16(c0, x0), _mm256_madd_epi16(c1, x1));
 }
 
-// The packed layout's rows [n0, n1) (both multiples of 4): one pass per group of four rows, as
-// MatMulRowsT, but the group's bytes are one stream and its scales one load. No software
-// prefetch: the hardware prefetcher follows the one stream (0 to 4 KB ahead measured no faster
-// on the Zen 4 VM; the GGUF layout's four row streams needed it).
+// Rows [n0, n1) of the GGUF layout, one row at a time: the general path (any N) for weights the
+// model does not pack (`quant.pack` needs N a multiple of 4); the model's weights take
+// MatMulPackedT below.
+template <Format F>
+PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
+                                   int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int bytes = F == Format::kQ8_0 ? 34 : F == Format::kQ4_0 ? 18 : 20;
+  const int64_t row_bytes = nb * bytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    for (int64_t m = 0; m < M; ++m) {
+      const ActBlock* xm = xq + m * nb;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wr + b * bytes;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v + 16));
+        const float d = _cvtsh_ss(U16(blk));
+        const int32_t dot = HSum(RawCodesDot<F>(blk + (F == Format::kQ4_1 ? 4 : 2), x0, x1)) -
+                            (F == Format::kQ8_0 ? 0 : 8 * xm[b].sv);  // centred nibbles
+        acc += d * xm[b].d * static_cast<float>(dot);
+        if constexpr (F == Format::kQ4_1) acc += (_cvtsh_ss(U16(blk + 2)) + 8.f * d) * xm[b].s;
+      }
+      y[m * ldy + n] = acc;
+    }
+  }
+}
+
+// The packed layout's rows [n0, n1) (both multiples of 4), one group of four rows per pass: the
+// four rows share each activation block load, and their four integer block dots are folded into
+// one vector (lanes: rows 0-3, twice) that takes one scale multiply. The group's bytes are one
+// stream and its scales one load. No software prefetch: the hardware prefetcher follows the one
+// stream (0 to 4 KB ahead measured no faster on the Zen 4 VM).
 template <Format F>
 PIGJAX_QUANT_AVX2 void MatMulPackedT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
                                      int64_t n0, int64_t n1, float* y, int64_t ldy) {
