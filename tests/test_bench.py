@@ -188,3 +188,16 @@ def test_markdown_tables_have_a_batch_column():
   md = bench.markdown_tables({"cpu": "x", "bandwidth": bw, "smollm2": [
       row, dict(context=8192, batch=8, skipped="needs 1 GiB")]})
   assert "| 4096 | 4 | 50 | 40 | 1.25x |" in md and "| 8192 | 8 | skipped: needs 1 GiB |" in md
+
+
+def test_quant_matmul_chain_benchmark_runs_both_layouts():
+  """scripts/bench_quant_matmuls.py (BENCHMARKS.md, session 9) on one layer, one step."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant_matmuls.py"
+  out = subprocess.run([sys.executable, str(script), "--layers=1", "--rounds=1", "--steps=1"],
+                       capture_output=True, text=True, timeout=300, check=True).stdout
+  assert "5 matmuls" in out
+  for layout in ("gguf", "packed"):
+    assert f"  {layout} " in out and "ms per chain" in out
