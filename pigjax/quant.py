@@ -156,11 +156,11 @@ def dequantize(w: QTensor) -> jax.Array:
   N, nb = w.n, w.k // BLOCK
   blk = w.blocks_NR.reshape(N, nb, -1)
   d = _half(blk[..., 0:2])
+  body = blk[..., _header_bytes(w.fmt):]  # the codes: int8 (Q8_0) or nibble pairs
   if w.fmt == "q8_0":
-    codes = jax.lax.bitcast_convert_type(blk[..., 2:], jnp.int8).astype(jnp.float32)
+    codes = jax.lax.bitcast_convert_type(body, jnp.int8).astype(jnp.float32)
     return (d[..., None] * codes).reshape(N, w.k)
-  nib = blk[..., 4:] if w.fmt == "q4_1" else blk[..., 2:]
-  codes = jnp.concatenate([nib & 0xF, nib >> 4], -1).astype(jnp.float32)
+  codes = jnp.concatenate([body & 0xF, body >> 4], -1).astype(jnp.float32)
   if w.fmt == "q4_1":
     return (d[..., None] * codes + _half(blk[..., 2:4])[..., None]).reshape(N, w.k)
   return (d[..., None] * (codes - 8.0)).reshape(N, w.k)
@@ -197,13 +197,13 @@ def matmul_reference(x_MK: jax.Array, w: QTensor) -> jax.Array:
   N, nb = w.n, w.k // BLOCK
   blk = w.blocks_NR.reshape(N, nb, -1)
   d_w = _half(blk[..., 0:2])
+  body = blk[..., _header_bytes(w.fmt):]  # the codes: int8 (Q8_0) or nibble pairs
   if w.fmt == "q8_0":
-    codes = jax.lax.bitcast_convert_type(blk[..., 2:], jnp.int8).astype(jnp.int32)
+    codes = jax.lax.bitcast_convert_type(body, jnp.int8).astype(jnp.int32)
     c_w = jnp.zeros_like(d_w)
   else:
-    nib = blk[..., 4:] if w.fmt == "q4_1" else blk[..., 2:]
     # Centred codes, as the kernel uses (xla_ffi/quant.h UnpackScalar): w = d (nib - 8) + c.
-    codes = jnp.concatenate([nib & 0xF, nib >> 4], -1).astype(jnp.int32) - 8
+    codes = jnp.concatenate([body & 0xF, body >> 4], -1).astype(jnp.int32) - 8
     c_w = _half(blk[..., 2:4]) + 8.0 * d_w if w.fmt == "q4_1" else jnp.zeros_like(d_w)
   x_int = 256 * q.astype(jnp.int32) + r.astype(jnp.int32)
   dots_MNB = jnp.einsum("mbj,nbj->mnb", x_int, codes)

@@ -52,7 +52,7 @@ constexpr int kBlock = 32;
 enum class Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 constexpr int kNumFormats = 3;
 
-inline int BlockBytes(Format f) {
+constexpr int BlockBytes(Format f) {
   switch (f) {
     case Format::kQ8_0: return 34;
     case Format::kQ4_0: return 18;
@@ -62,7 +62,7 @@ inline int BlockBytes(Format f) {
 }
 
 // Bytes of a row's block before its codes (d, and m for Q4_1).
-inline int HeaderBytes(Format f) { return f == Format::kQ4_1 ? 4 : 2; }
+constexpr int HeaderBytes(Format f) { return f == Format::kQ4_1 ? 4 : 2; }
 
 // Rows per group of the packed layout.
 constexpr int kPackRows = 4;
@@ -295,7 +295,7 @@ PIGJAX_QUANT_AVX2 inline __m256i RawCodesDot(const uint8_t* codes, __m256i x0, _
 template <Format F>
 PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
                                    int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int bytes = F == Format::kQ8_0 ? 34 : F == Format::kQ4_0 ? 18 : 20;
+  constexpr int bytes = BlockBytes(F);
   const int64_t row_bytes = nb * bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
@@ -307,7 +307,7 @@ PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock*
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm[b].v + 16));
         const float d = _cvtsh_ss(U16(blk));
-        const int32_t dot = HSum(RawCodesDot<F>(blk + (F == Format::kQ4_1 ? 4 : 2), x0, x1)) -
+        const int32_t dot = HSum(RawCodesDot<F>(blk + HeaderBytes(F), x0, x1)) -
                             (F == Format::kQ8_0 ? 0 : 8 * xm[b].sv);  // centred nibbles
         acc += d * xm[b].d * static_cast<float>(dot);
         if constexpr (F == Format::kQ4_1) acc += (_cvtsh_ss(U16(blk + 2)) + 8.f * d) * xm[b].s;
@@ -325,10 +325,9 @@ PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock*
 template <Format F>
 PIGJAX_QUANT_AVX2 void MatMulPackedT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
                                      int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int bytes = F == Format::kQ8_0 ? 34 : F == Format::kQ4_0 ? 18 : 20;
-  constexpr int x4_bytes = kPackRows * bytes;
-  constexpr int header = kPackRows * (F == Format::kQ4_1 ? 4 : 2);
-  constexpr int code_bytes = bytes - header / kPackRows;
+  constexpr int x4_bytes = kPackRows * BlockBytes(F);
+  constexpr int header = kPackRows * HeaderBytes(F);
+  constexpr int code_bytes = BlockBytes(F) - HeaderBytes(F);
   for (int64_t n = n0; n < n1; n += kPackRows) {
     const uint8_t* group = w + (n / kPackRows) * nb * x4_bytes;
     for (int64_t m = 0; m < M; ++m) {
