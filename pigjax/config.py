@@ -62,7 +62,9 @@ class AttentionConfig:
   dense_layers: tuple[int, ...] = (0, 16)  # layers that stay fully dense
   seed: int = 0  # seed of the SimHash matrices
   per_layer_hash: bool = True  # one SimHash matrix per layer (else shared)
-  threads: int = 0  # host kernel threads, at most MAX_THREADS; 0 = all hardware threads
+  # host kernel threads, at most MAX_THREADS; 0 = all hardware threads, shared with the quantized
+  # matmuls and the dense kernel (the process's compute pool); N > 0: the store's own N threads
+  threads: int = 0
   generated_buffer: int = 256  # exact generated tokens kept before they join the pool
   store_dtype: str = "bfloat16"  # pool K/V storage on the host: one of STORE_DTYPES
   estimator: str = "magicpig"  # pool estimator: one of ESTIMATORS

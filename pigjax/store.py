@@ -97,7 +97,9 @@ class HostKVStore:
     dtype: K/V storage, one of config.STORE_DTYPES: "bfloat16" (default), "float32" or "int8"
       (one float32 scale per K row and per V row, `lsh.quantize_int8_rows`). Norms, means and
       math are float32.
-    threads: size of the store's own thread pool, at most 256; 0 = all hardware threads.
+    threads: 0 (default): run on the process's compute pool (all hardware threads, the pool
+      the quantized matmuls and the dense decode kernel use, so one set of workers stays awake
+      through a decode step); N in 1..256: a pool of the store's own with N threads.
     estimator: one of config.ESTIMATORS. "proxy" builds no LSH tables (num_bits and num_tables
       are then unused; codes operands have 0 columns) but a `proxy_bits` index of the centred
       keys; its attend reads the top `proxy_fraction` of the pool exactly, plus the mean-V tail

@@ -1,6 +1,7 @@
 """The quantized-weight matmul kernel (xla_ffi/quant.h) against its jnp twin, the dequantized
 float32 matmul and the gguf package's own dequantiser, and the model's quantized decode path."""
 
+import concurrent.futures
 import dataclasses
 import json
 from pathlib import Path
@@ -120,6 +121,26 @@ def test_kernel_paths_agree():
                    for fmt in FORMATS for layout in (lambda w: w, quant.pack)])
   for a, b in zip(*outs):
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(b).max())
+
+
+def test_concurrent_callers_take_turns_on_the_compute_pool():
+  """Quantized matmuls launched from several Python threads at once (two engines in one
+  process, a server's request threads) share the compute pool: each call runs whole, so every
+  result equals the same call made alone."""
+  rng = np.random.default_rng(11)
+  w = quant.pack(_weight(rng, 512, 256, "q8_0"))  # 4 x 512 x 8 blocks: a parallel call
+  xs = [_activations(rng, 4, 256) for _ in range(4)]
+  f = jax.jit(lambda x: quant.matmul(x, w))
+  want = [np.asarray(f(x)) for x in xs]
+
+  def run(i):
+    return [np.asarray(f(xs[i])) for _ in range(40)]
+
+  with concurrent.futures.ThreadPoolExecutor(4) as ex:
+    got = list(ex.map(run, range(4)))
+  for i, outs in enumerate(got):
+    for out in outs:
+      np.testing.assert_array_equal(out, want[i])
 
 
 def test_nonfinite_activation_gives_nonfinite_output():

@@ -332,7 +332,10 @@ NB_MODULE(_pigjax_ffi, m) {
           auto c = MakeConfig(num_layers, num_slots, num_kv_heads, head_dim, num_bits,
                               num_tables, capacity, dtype, threads, estimator, proxy_bits,
                               proxy_fraction, proxy_tail);
-          return pigjax::Registry::Get().Add(std::make_shared<pigjax::Store>(c));
+          // All hardware threads (the default): the compute pool, which the matmuls and the
+          // dense kernel use too, so that one set of workers serves the whole decode step.
+          return pigjax::Registry::Get().Add(std::make_shared<pigjax::Store>(
+              c, threads == 0 ? &pigjax::ComputePool() : nullptr));
         });
   m.def("store_free", [](int64_t h) { return pigjax::Registry::Get().Remove(h); });
   m.def("store_reset", [](int64_t h, int64_t slot) {

@@ -259,7 +259,8 @@ struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
   uint64_t heads = 0, ids_walked = 0, candidates = 0, bytes = 0;
-  // Thread pool calls that ran in parallel, and their time before a second worker joined.
+  // The store's thread pool calls that ran in parallel, and their time before a second worker
+  // joined.
   uint64_t parallel_calls = 0, alone_ns = 0;
   void Add(const Profile& o) {
     attend_calls += o.attend_calls, attend_ns += o.attend_ns, insert_calls += o.insert_calls;
@@ -281,14 +282,18 @@ constexpr int64_t kPieceCandidates = 512;
 class Store {
  public:
   // Throws std::invalid_argument for a configuration CheckConfig rejects, std::runtime_error if
-  // the worker threads cannot be started.
-  explicit Store(const StoreConfig& c)
+  // the worker threads cannot be started. `shared`: a pool to run on instead of one of its own
+  // (the process's compute pool, so that the quantized matmuls and the store's calls of a
+  // decode step find the same workers awake; ffi.cc passes it when c.threads is 0); it must
+  // outlive the store.
+  explicit Store(const StoreConfig& c, ThreadPool* shared = nullptr)
       : cfg_(Checked(c)),
         ops_(GetVecOps()),
         proxy_ops_(GetProxyOps()),
         layout_(c.proxy_bits, c.head_dim),
         log_u_(c.num_bits, c.num_tables),
-        workers_(ResolveThreads(c.threads)),
+        own_workers_(shared ? nullptr : std::make_unique<ThreadPool>(ResolveThreads(c.threads))),
+        workers_(shared ? *shared : *own_workers_),
         pools_(size_t(c.num_layers) * c.num_slots * c.num_kv_heads),
         scratch_(workers_.size()) {
     for (auto& s : scratch_) s.bucket.resize((size_t{1} << c.num_bits) + 1);
@@ -347,15 +352,12 @@ class Store {
     profiling_ = on;
     prof_ = Profile();
     for (auto& s : scratch_) s.prof = Profile();
-    workers_.ResetCounters();
   }
   // Counters summed over workers since profiling was switched on.
   Profile GetProfile() {
     std::lock_guard<std::mutex> lock(mu_);
     Profile p = prof_;
     for (const auto& s : scratch_) p.Add(s.prof);
-    p.parallel_calls = workers_.parallel_calls();
-    p.alone_ns = workers_.alone_ns();
     return p;
   }
 
@@ -377,6 +379,17 @@ class Store {
                                             select.capacity() + select_ids.capacity());
     }
   };
+
+  // workers_.ParallelFor, counting (when profiling) the parallel calls and their time before a
+  // second worker joined.
+  void ParallelFor(int64_t n, const ThreadPool::Task& task, bool inline_only = false) {
+    const bool parallel = n > 1 && workers_.size() > 1 && !inline_only;
+    const uint64_t alone = workers_.ParallelFor(n, task, inline_only);
+    if (profiling_ && parallel) {
+      prof_.parallel_calls += 1;
+      prof_.alone_ns += alone;
+    }
+  }
 
   HeadPool& Pool(int64_t layer, int64_t slot, int64_t kvh) {
     return pools_[(size_t(layer) * cfg_.num_slots + slot) * cfg_.num_kv_heads + kvh];
@@ -410,7 +423,8 @@ class Store {
   const ProxyOps& proxy_ops_;
   const ProxyLayout layout_;
   const LogCollisionTable log_u_;
-  ThreadPool workers_;
+  std::unique_ptr<ThreadPool> own_workers_;  // null when running on a shared pool
+  ThreadPool& workers_;
   std::vector<HeadPool> pools_;
   std::vector<Scratch> scratch_;
 };
@@ -642,7 +656,7 @@ inline std::string Store::Insert(const InsertArgs& a) {
   std::vector<int64_t> n0(bsz);
   for (int64_t b = 0; b < bsz; ++b) n0[b] = Pool(a.layer, a.slots[b], 0).n;
   try {
-    workers_.ParallelFor(bsz * hkv, [&](int64_t i, int) {
+    ParallelFor(bsz * hkv, [&](int64_t i, int) {
       const int64_t b = i / hkv, h = i % hkv, len = a.lengths[b];
       if (len == 0) return;
       HeadPool& p = Pool(a.layer, a.slots[b], h);
@@ -657,7 +671,7 @@ inline std::string Store::Insert(const InsertArgs& a) {
   } catch (const std::bad_alloc&) {
     return Str("store_insert: out of host memory while growing layer ", a.layer, "'s pools.");
   }
-  workers_.ParallelFor(bsz * hkv * nt, [&](int64_t i, int w) {
+  ParallelFor(bsz * hkv * nt, [&](int64_t i, int w) {
     const int64_t b = i / (hkv * c.num_tables), h = (i / c.num_tables) % hkv;
     const int t = static_cast<int>(i % c.num_tables);
     if (a.lengths[b] > 0) AppendToTable(a, b, h, t, n0[b], a.lengths[b], scratch_[w]);
@@ -800,7 +814,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
   // Two phases, so that two workers share nine query heads evenly: all lookups, then the
   // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
   // (o, m, z), merged per head by log-sum-exp at the end.
-  workers_.ParallelFor(items, [&](int64_t i, int w) {
+  ParallelFor(items, [&](int64_t i, int w) {
     lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
   }, inline_only);
   pieces_.clear();
@@ -812,7 +826,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
   const int64_t np = static_cast<int64_t>(pieces_.size());
   piece_o_.assign(np * d, 0.f);
   piece_mz_.assign(2 * np, 0.f);
-  workers_.ParallelFor(np, [&](int64_t j, int w) {
+  ParallelFor(np, [&](int64_t j, int w) {
     const Piece& pc = pieces_[j];
     float m = -std::numeric_limits<float>::infinity(), z = 0.f;
     accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,

@@ -133,7 +133,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
       }
     }
   }
-  workers_.ParallelFor(static_cast<int64_t>(scan.size()), [&](int64_t j, int w) {
+  ParallelFor(static_cast<int64_t>(scan.size()), [&](int64_t j, int w) {
     const ScanPiece& sp = scan[j];
     const int64_t i0 = sp.b * hq + sp.kvh * group;  // the kv head's first query head
     const uint64_t t0 = prof ? NowNs() : 0;
@@ -148,7 +148,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
 
   // Select: the k_keep-th largest proxy score tau; rows >= tau are read, the rest form the tail.
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  workers_.ParallelFor(items, [&](int64_t i, int w) {
+  ParallelFor(items, [&](int64_t i, int w) {
     const HeadPool& p = pool_of(i);
     item_tail_[i] = neg_inf;
     if (p.n == 0) return;
@@ -180,7 +180,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
   const int64_t np = static_cast<int64_t>(pieces_.size());
   piece_o_.assign(np * d, 0.f);
   piece_mz_.assign(2 * np, 0.f);
-  workers_.ParallelFor(np, [&](int64_t j, int w) {
+  ParallelFor(np, [&](int64_t j, int w) {
     const Piece& pc = pieces_[j];
     const HeadPool& p = pool_of(pc.item);
     const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)), p.mu.data(), p.n};

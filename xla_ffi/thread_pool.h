@@ -1,7 +1,9 @@
-// A small fork-join thread pool owned by each host KV store.
+// A small fork-join thread pool: the process's compute pool (quant_ffi.cc ComputePool: the
+// quantized matmuls, the dense decode kernel and, by default, every host KV store), or a store's
+// own when it asks for a thread count of its own.
 //
-// The store does not use XLA's intra-op pool: a handler that blocks on tasks it scheduled there
-// can starve it (DESIGN.md section 5). Pure C++: no XLA, no nanobind.
+// Not XLA's intra-op pool: a handler that blocks on tasks it scheduled there can starve it
+// (DESIGN.md section 5). Pure C++: no XLA, no nanobind.
 #ifndef PIGJAX_XLA_FFI_THREAD_POOL_H_
 #define PIGJAX_XLA_FFI_THREAD_POOL_H_
 
@@ -49,17 +51,21 @@ class ThreadPool {
   int size() const { return static_cast<int>(threads_.size()) + 1; }
 
   // Runs task(i, worker) for every i in [0, n), worker in [0, size()), and returns when all are
-  // done. Rethrows the first exception a task threw. One call at a time (callers serialise).
-  // inline_only: run everything on the calling thread (work too small to pay for a wake-up).
-  // The caller works too, and waits only for tasks that were started, never for a worker that
-  // has not woken up yet: on a busy machine a wake-up can take a scheduler tick, far longer than
-  // the tasks of one attend call.
-  void ParallelFor(int64_t n, const Task& task, bool inline_only = false) {
-    if (n <= 0) return;
+  // done. Rethrows the first exception a task threw. Calls from several threads (two engines, a
+  // store and a matmul of different executables) take turns; a task must not call ParallelFor
+  // on the same pool. inline_only: run everything on the calling thread (work too small to pay
+  // for a wake-up). The caller works too, and waits only for tasks that were started, never
+  // for a worker that has not woken up yet: on a busy machine a wake-up can take a scheduler
+  // tick, far longer than the tasks of one attend call.
+  // Returns how long the call ran on the calling thread alone, before another worker started a
+  // task (the whole call if none did; 0 for an inline call): how late the workers woke up.
+  uint64_t ParallelFor(int64_t n, const Task& task, bool inline_only = false) {
+    if (n <= 0) return 0;
     if (n == 1 || threads_.empty() || inline_only) {
       for (int64_t i = 0; i < n; ++i) task(i, 0);
-      return;
+      return 0;
     }
+    std::lock_guard<std::mutex> turn(call_mu_);
     const uint64_t t0 = Now();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -87,16 +93,10 @@ class ThreadPool {
     task_ = nullptr;
     // Until a second worker joined, the call ran on one core (the whole call if none did).
     const uint64_t joined = joined_ns_.load();
-    alone_ns_ += (joined ? std::max(joined, t0) : Now()) - t0;
-    parallel_calls_ += 1;
+    const uint64_t alone = (joined ? std::max(joined, t0) : Now()) - t0;
     if (error_) std::rethrow_exception(error_);
+    return alone;
   }
-
-  // Sum over parallel calls of the time before the first other worker started a task, and the
-  // number of such calls (diagnostics: how late the other workers wake up).
-  uint64_t alone_ns() const { return alone_ns_; }
-  uint64_t parallel_calls() const { return parallel_calls_; }
-  void ResetCounters() { alone_ns_ = parallel_calls_ = 0; }
 
  private:
   static uint64_t Now() {
@@ -106,8 +106,11 @@ class ThreadPool {
   }
 
   // How long a worker stays awake after its last task, polling for the next call before it
-  // sleeps: the sparse layers of one decode step call the store a millisecond or two apart, and
-  // a sleeping worker needs a wake-up (tens of microseconds, a scheduler tick on a busy machine).
+  // sleeps: a decode step calls the compute pool every few hundred microseconds (matmuls, the
+  // store, the dense kernel), and a sleeping worker needs a wake-up (tens of microseconds, a
+  // scheduler tick on a busy machine). 200 us halved the store's time alone on the caller at
+  // 32k (6.4 -> 1.5 ms per step; 100 us: 3.3 ms); 500 us made a 4k step slower, the spinning
+  // worker holding a core that XLA's own threads wanted (BENCHMARKS.md, session 10).
   // PIGJAX_SPIN_US overrides it (0: sleep at once).
   static uint64_t SpinNs() {
     static const uint64_t ns = [] {
@@ -116,7 +119,7 @@ class ThreadPool {
     }();
     return ns;
   }
-  static constexpr int kDefaultSpinUs = 0;
+  static constexpr int kDefaultSpinUs = 200;
   // How long the caller polls for the other workers' last tasks before it sleeps.
   static constexpr uint64_t kDonePollNs = 200'000;
 
@@ -174,6 +177,7 @@ class ThreadPool {
   }
 
   std::vector<std::thread> threads_;
+  std::mutex call_mu_;  // held for a whole ParallelFor: one call at a time
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   const Task* task_ = nullptr;
@@ -183,7 +187,6 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> joined_ns_{0};
-  uint64_t alone_ns_ = 0, parallel_calls_ = 0;
   std::exception_ptr error_;
 };
 
