@@ -16,6 +16,7 @@ Shape key: B batch   K kv heads   S cache positions   D head dim   N context tok
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -220,6 +221,24 @@ def magicpig_cache(backend: MagicPigBackend, dense: attention.DenseCache, n: int
 # Timing
 
 
+def with_rope_scaling(pipe, factor: float):
+  """pipe's Config with its model run at Llama-3.1 ("llama3") RoPE scaling by `factor` over the
+  checkpoint's trained context (ModelConfig.rope_original_max_position), the model's config set
+  to match; factor 0 leaves the checkpoint's RoPE. How one runs a model past the context it was
+  trained on: without it, keys at distances past that context rotate to angles the model never
+  saw, and MagicPIG's collisions there grow (BENCHMARKS.md, session 10)."""
+  if factor < 0:
+    raise ValueError(f"rope_scaling_factor must be >= 0 (0 = the checkpoint's RoPE), got {factor}")
+  if not factor:
+    return pipe.cfg
+  if pipe.model.cfg.rope_scaling_factor:
+    raise ValueError("the model already scales its RoPE "
+                     f"(factor {pipe.model.cfg.rope_scaling_factor}); not scaling it again")
+  model_cfg = dataclasses.replace(pipe.model.cfg, rope_scaling_factor=float(factor))
+  pipe.model.cfg = model_cfg
+  return dataclasses.replace(pipe.cfg, model=model_cfg)
+
+
 def decode_stepper(engine: Engine, cache, batch: int, history_len: int) -> Callable[[], float]:
   """A function that runs one jitted greedy decode step on `cache` (donated and carried) and
   returns its wall time in seconds (compilation happens here, before the first timed call)."""
@@ -274,6 +293,13 @@ def summarise(times: dict[str, list[float]], batch: int = 1) -> dict:
 def kernel_profile(store: HostKVStore) -> dict:
   """The store's kernel counters since the last reset (profiling must be on)."""
   return dict(_pigjax_ffi.store_profile(store.handle))
+
+
+def candidate_slices(prof: dict, pool: int) -> list[float]:
+  """From kernel_profile's counters: the fraction of each of the pool's 16 equal slices (oldest
+  tokens first) that a query head attends, averaged over the profiled heads."""
+  bins = np.asarray(prof["candidate_bins"], np.float64)
+  return [float(x) for x in bins / max(1, prof["heads"]) / (pool / len(bins))]
 
 
 def set_profiling(store: HostKVStore, on: bool) -> None:

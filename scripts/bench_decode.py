@@ -48,6 +48,11 @@ flags.DEFINE_enum("cache_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "bfloat16 where that does not fit in memory.")
 flags.DEFINE_string("weights", "", "Config.weights for both methods (dense | auto | gguf | q8_0 | "
                     "q4_0 | q4_1); '' keeps the default.")
+flags.DEFINE_float("rope_scaling_factor", 0.0,
+                   "If > 0, run SmolLM2 with Llama-3.1 ('llama3') RoPE scaling by this factor over "
+                   "its trained 8192 tokens, as one runs a model past its context "
+                   "(bench.with_rope_scaling; e.g. 4 for 32k, 16 for 128k); every method and "
+                   "context of the run uses it. 0: the checkpoint's RoPE.")
 flags.DEFINE_integer("rounds", 5, "Interleaved rounds per context.")
 flags.DEFINE_integer("steps", 3, "Decode steps per method per round.")
 flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
@@ -75,7 +80,7 @@ def smollm2(res):
                         threads=FLAGS.threads, store_dtype=FLAGS.store_dtype)
   cfg = make_config(max(contexts) + 512, att)
   pipe = Pipeline.load(cfg, progress=False)
-  cfg = pipe.cfg
+  cfg = bench.with_rope_scaling(pipe, FLAGS.rope_scaling_factor)
   dense_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(att, kind="dense"))
   dense_engine = Engine(dense_cfg, pipe.model)
   backend = MagicPigBackend(cfg)
@@ -199,6 +204,7 @@ def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, p
   steps = FLAGS.steps
   row = dict(context=n, batch=batch, dense_cache_dtype=jnp.dtype(dtype).name,
              context_source=FLAGS.context_source, store_dtype=a.store_dtype,
+             rope_scaling_factor=m.rope_scaling_factor,
              **bench.summarise(times, batch), hash_s=tm["hash_s"],
              insert_s=tm["insert_s"], store_bytes=mem,
              kernel_ms_per_step=prof["attend_ns"] * 1e-6 / steps,
@@ -206,6 +212,7 @@ def _smollm2_row(res, n, batch, src, ids, pieces, m, a, backend, dense_engine, p
              lookup_ms=prof["lookup_ns"] * 1e-6 / steps, score_ms=prof["score_ns"] * 1e-6 / steps,
              softmax_ms=prof["softmax_ns"] * 1e-6 / steps,
              candidate_fraction=prof["candidates"] / max(1, prof["heads"]) / (n - 68),
+             candidate_fraction_by_slice=bench.candidate_slices(prof, n - 68),
              profiled_step_ms=1e3 * sorted(kt["magicpig"])[len(kt["magicpig"]) // 2])
   row["speedup"] = row["dense_ms"] / row["magicpig_ms"]
   if proxy:

@@ -30,6 +30,11 @@ _STORE_DTYPE = flags.DEFINE_string("store_dtype", "bfloat16", "Host K/V dtype.")
 _ESTIMATOR = flags.DEFINE_string("estimator", "magicpig", "attention.estimator.")
 _THREADS = flags.DEFINE_integer("threads", 0, "attention.threads: 0 runs the store on the "
                                 "process's compute pool (all cores), N > 0 on its own N threads.")
+_ROPE_SCALING = flags.DEFINE_float(
+    "rope_scaling_factor", 0.0,
+    "If > 0, run the model with Llama-3.1 ('llama3') RoPE scaling by this factor over its "
+    "trained context (SmolLM2: 8192), as one runs a model past that context "
+    "(bench.with_rope_scaling); both methods use it. 0: the checkpoint's RoPE.")
 _CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "auto", ["auto", "float32", "bfloat16"],
                                  "Config.cache_dtype (the dense cache, MagicPIG's exact buffer).")
 
@@ -43,7 +48,7 @@ def main(argv):
   pipe = Pipeline.load(Config(checkpoint="smollm2", max_seq_len=n + 512, attention=att,
                               weights=_WEIGHTS.value, cache_dtype=_CACHE_DTYPE.value),
                        progress=False)
-  cfg = pipe.cfg
+  cfg = bench.with_rope_scaling(pipe, _ROPE_SCALING.value)
   a, m = cfg.attention, cfg.model
   dense_engine = Engine(dataclasses.replace(cfg, attention=dataclasses.replace(a, kind="dense")),
                         pipe.model)
@@ -84,6 +89,10 @@ def main(argv):
         f"{ms('alone_ns'):.1f}); candidates {p['candidates'] / max(1, p['heads']) / (n - 68):.2%} "
         f"of the pool; ids walked per head {p['ids_walked'] / max(1, p['heads']):.0f}; "
         f"{p['bytes'] / steps / 1e6:.0f} MB per step = {p['bytes'] / max(1, p['attend_ns']):.2f} GB/s")
+  if p["candidates"]:
+    slices = bench.candidate_slices(p, n - 68)
+    print(f"candidates by pool slice (oldest first, {len(slices)} slices of "
+          f"{(n - 68) // len(slices)} tokens): {' '.join(f'{x:.1%}' for x in slices)}")
 
 
 if __name__ == "__main__":

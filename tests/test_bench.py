@@ -2,6 +2,7 @@
 builder (against the backend's own after_prefill), timing helpers and the kernel counters."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,16 @@ def test_magicpig_cache_matches_after_prefill(tiny, estimator):
   prof = bench.kernel_profile(backend.store)
   assert len(times["pig"]) == 2 and all(t > 0 for t in times["pig"])
   assert prof["attend_calls"] == 2 * 2 and prof["heads"] > 0 and prof["bytes"] > 0
+  # Candidates by pool slice: magicpig counts each candidate in one slice; the proxy none.
+  bins = prof["candidate_bins"]
+  assert len(bins) == 16
+  if estimator == "magicpig":
+    assert sum(bins) == prof["candidates"] > 0
+    pool = backend.store.num_tokens(0, 0)
+    np.testing.assert_allclose(np.mean(bench.candidate_slices(prof, pool)),
+                               prof["candidates"] / prof["heads"] / pool, rtol=1e-12)
+  else:
+    assert sum(bins) == 0
   res = bench.summarise(times)
   assert res["pig_ms"] > 0 and res["pig_tok_s"] > 0
 
@@ -201,3 +212,24 @@ def test_quant_matmul_chain_benchmark_runs_both_layouts():
   assert "5 matmuls" in out
   for layout in ("gguf", "packed"):
     assert f"  {layout} " in out and "ms per chain" in out
+
+
+def test_with_rope_scaling(tiny):
+  """The benchmark's RoPE scaling sets the model's config and the run's, and only the long
+  wavelengths change (llama3 scaling leaves wavelengths under the trained context / 4 alone)."""
+  from pigjax.model import rope_inv_freq
+  pipe = types.SimpleNamespace(cfg=tiny.cfg, model=types.SimpleNamespace(cfg=tiny.cfg.model))
+  assert bench.with_rope_scaling(pipe, 0) is tiny.cfg and pipe.model.cfg is tiny.cfg.model
+  with pytest.raises(ValueError, match=">= 0"):
+    bench.with_rope_scaling(pipe, -1)
+  cfg = bench.with_rope_scaling(pipe, 4)
+  assert cfg.model.rope_scaling_factor == 4 and pipe.model.cfg is cfg.model
+  base, scaled = rope_inv_freq(tiny.cfg.model), rope_inv_freq(cfg.model)
+  wavelen = 2 * np.pi / base
+  short = wavelen < cfg.model.rope_original_max_position / cfg.model.rope_high_freq_factor
+  np.testing.assert_array_equal(scaled[short], base[short])
+  longest = np.argmax(wavelen)
+  if wavelen[longest] > cfg.model.rope_original_max_position:
+    np.testing.assert_allclose(scaled[longest], base[longest] / 4)
+  with pytest.raises(ValueError, match="already scales"):
+    bench.with_rope_scaling(pipe, 4)

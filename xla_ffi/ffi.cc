@@ -393,6 +393,9 @@ NB_MODULE(_pigjax_ffi, m) {
     d["heads"] = p.heads;
     d["ids_walked"] = p.ids_walked;
     d["candidates"] = p.candidates;
+    nb::list bins;
+    for (uint64_t x : p.candidate_bins) bins.append(x);
+    d["candidate_bins"] = bins;
     d["bytes"] = p.bytes;
     d["parallel_calls"] = p.parallel_calls;
     d["alone_ns"] = p.alone_ns;

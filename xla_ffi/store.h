@@ -259,6 +259,10 @@ struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
   uint64_t heads = 0, ids_walked = 0, candidates = 0, bytes = 0;
+  // Candidates by where they lie in the pool: bin b counts ids in [b n / kBins, (b + 1) n / kBins)
+  // (oldest tokens first), to see which part of a long context the collisions come from.
+  static constexpr int kBins = 16;
+  std::array<uint64_t, kBins> candidate_bins{};
   // The store's thread pool calls that ran in parallel, and their time before a second worker
   // joined.
   uint64_t parallel_calls = 0, alone_ns = 0;
@@ -267,6 +271,7 @@ struct Profile {
     insert_ns += o.insert_ns, lookup_ns += o.lookup_ns, score_ns += o.score_ns;
     softmax_ns += o.softmax_ns, heads += o.heads, ids_walked += o.ids_walked;
     candidates += o.candidates, bytes += o.bytes;
+    for (int b = 0; b < kBins; ++b) candidate_bins[b] += o.candidate_bins[b];
   }
 };
 
@@ -788,6 +793,9 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.prof.ids_walked += walked;
       s.prof.candidates += count;
       s.prof.bytes += walked * 4 + count * RowBytes(d, DTypeSize(c.dtype));
+      for (int64_t j = 0; j < count; ++j) {
+        s.prof.candidate_bins[int64_t{cand[j]} * Profile::kBins / p.n] += 1;
+      }
     }
     a.count[i] = static_cast<int32_t>(count);
     return count;
