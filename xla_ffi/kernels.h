@@ -147,10 +147,9 @@ class LogCollisionTable {
 //   Dot(q, k), Axpy(w, v, o)      q, o in f32; k, v rows in f32 or bf16.
 //   Scores(qk, norms, ...) -> max  s = q.k / sqrt(D) - log u(cos) for a chunk of candidates.
 //   ExpSum(s, n, m) -> sum         s = exp(s - m) in place.
-//   ScanMarks(mark, n, e, cand)    ids i < n with mark[i] == e, ascending.
 //   LogUs(cos, n, table, out)      out = log u(cos) (for tests; Scores inlines it).
 
-// ScanMarks implementations write up to this many ids past the last hit (branch-free stores).
+// Branch-free id extractions (the proxy's selection) write up to this many ids past the last hit.
 constexpr int64_t kScanSlack = 8;
 
 // Per-query constants of the score (DESIGN.md steps 6-7).
@@ -194,15 +193,6 @@ inline float ExpSum(float* s, int64_t n, float m) {
 }
 inline void LogUs(const float* cos, int64_t n, const LogCollisionTable& log_u, float* out) {
   for (int64_t c = 0; c < n; ++c) out[c] = log_u(cos[c]);
-}
-// Branch-free: writes cand[count] for every i, so cand needs one slot past the last hit.
-inline int64_t ScanMarks(const uint8_t* mark, int64_t n, uint8_t e, int32_t* cand) {
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    cand[count] = static_cast<int32_t>(i);
-    count += (mark[i] == e);
-  }
-  return count;
 }
 }  // namespace scalar
 
@@ -394,7 +384,7 @@ PIGJAX_AVX2 inline float ExpSum(float* s, int64_t n, float m) {
   return zs;
 }
 
-// Positions of the set bits of every byte value, padded with zeros: ScanMarks stores all 8 and
+// Positions of the set bits of every byte value, padded with zeros: a scan stores all 8 and
 // advances by the popcount, so extracting hits needs no branch (at a 5-15% hit rate a branch per
 // hit or per byte would mispredict constantly).
 struct BitPositions {
@@ -409,30 +399,6 @@ struct BitPositions {
     }
   }
 };
-
-// Writes up to kScanSlack ids past the last hit.
-PIGJAX_AVX2 inline int64_t ScanMarks(const uint8_t* mark, int64_t n, uint8_t e, int32_t* cand) {
-  static const BitPositions table;
-  const __m256i ve = _mm256_set1_epi8(static_cast<char>(e));
-  int64_t count = 0, i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mark + i)), ve)));
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t byte = (bits >> (8 * k)) & 0xffu;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(table.pos[byte])),
-          _mm256_set1_epi32(static_cast<int32_t>(i + 8 * k)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(cand + count), p);
-      count += __builtin_popcount(byte);
-    }
-  }
-  for (; i < n; ++i) {
-    cand[count] = static_cast<int32_t>(i);
-    count += (mark[i] == e);
-  }
-  return count;
-}
 
 // Eight dot products in one vector: lane j = the horizontal sum of a[j] (the classic hadd tree).
 PIGJAX_AVX2 inline __m256 HSum8(const __m256* a) {
@@ -509,7 +475,6 @@ struct VecOps {
   float (*scores)(const float*, const float*, int64_t, const ScoreParams&,
                   const LogCollisionTable&, float*);
   float (*exp_sum)(float*, int64_t, float);
-  int64_t (*scan_marks)(const uint8_t*, int64_t, uint8_t, int32_t*);
   void (*log_us)(const float*, int64_t, const LogCollisionTable&, float*);
 
   float Dot(const float* q, const float* k, int64_t d) const { return dot_f32(q, k, d); }
@@ -522,8 +487,7 @@ struct VecOps {
 
 inline VecOps ScalarVecOps() {
   return VecOps{"scalar", &scalar::Dot<float>, &scalar::Dot<bf16>, &scalar::Axpy<float>,
-                &scalar::Axpy<bf16>, &scalar::Dot<int8_t>, &scalar::Axpy<int8_t>, &scalar::Scores, &scalar::ExpSum, &scalar::ScanMarks,
-                &scalar::LogUs};
+                &scalar::Axpy<bf16>, &scalar::Dot<int8_t>, &scalar::Axpy<int8_t>, &scalar::Scores, &scalar::ExpSum, &scalar::LogUs};
 }
 
 // Whether to run the AVX2+FMA kernels: the CPU has them and PIGJAX_KERNELS=scalar is not set in
@@ -548,7 +512,7 @@ inline const VecOps& GetVecOps() {
   static const VecOps avx2_ops{"avx2", &avx2::Dot<float>, &avx2::Dot<bf16>, &avx2::Axpy<float>,
                                &avx2::Axpy<bf16>, &avx2::Dot<int8_t>, &avx2::Axpy<int8_t>,
                                &avx2::Scores, &avx2::ExpSum,
-                               &avx2::ScanMarks, &avx2::LogUs};
+                               &avx2::LogUs};
   if (UseAvx2()) return avx2_ops;
 #endif
   return scalar_ops;
@@ -557,36 +521,51 @@ inline const VecOps& GetVecOps() {
 // ---------------------------------------------------------------------------------------------
 // Candidate collection (step 5).
 
-// Per-worker scratch of the lookup: `mark[i]` < epoch means "not seen for this query", == epoch
-// "seen once", == epoch + 1 "seen twice or more". Each query advances the epoch by 2. One byte
-// per pool token keeps the array cache-resident (128 KiB at 128k tokens; the walk hits it at
-// random), at the price of clearing it every 127 queries, which costs far less than one walk.
-// Only ids below the pool size are ever marked, so a scan over [0, n) sees this query's marks.
+// Per-worker scratch of the lookup: two bitsets over the pool's token ids, `once` (seen in at
+// least one of the query's buckets) and `twice` (in at least two). 2 bits per token (8 KiB at
+// 32k tokens) stay in L1 while the bucket walk hits them at random; a byte per token (the
+// previous epoch-marked array, 32 KiB at 32k) shared L1 with the streamed bucket ids and took
+// ~15 cycles per id. Clearing the words below the pool size per query costs n / 32 bytes.
 struct CollisionCounter {
-  std::vector<uint8_t> mark;  // [>= pool size]
-  uint32_t epoch = 0;
+  std::vector<uint64_t> once, twice;  // [>= (pool size + 63) / 64]
 
-  // New entries start at 0, below every epoch in use.
   void Reserve(int64_t n) {
-    if (mark.size() < size_t(n)) mark.resize(n, 0u);
-  }
-  void NextQuery() {
-    if (epoch + 3 > 255) {
-      std::fill(mark.begin(), mark.end(), uint8_t{0});  // all of it: stale marks past n look new
-      epoch = 0;
+    const size_t words = static_cast<size_t>((n + 63) / 64);
+    if (once.size() < words) {
+      once.resize(words, 0);
+      twice.resize(words, 0);
     }
-    epoch += 2;
   }
+  // Clears the bits of ids < n (the only ones a walk over a pool of n tokens sets).
+  void NextQuery(int64_t n) {
+    const size_t words = static_cast<size_t>((n + 63) / 64);
+    std::fill(once.begin(), once.begin() + words, uint64_t{0});
+    std::fill(twice.begin(), twice.begin() + words, uint64_t{0});
+  }
+  uint64_t Bytes() const { return 8 * (once.capacity() + twice.capacity()); }
 };
 
-// Marks every id of one bucket: seen once -> e, seen before -> e1. Branch-free: whether a token
-// was seen is a coin flip per id, which a branch would mispredict half the time.
-inline void MarkBucket(const int32_t* row, int32_t j, int32_t end, uint8_t* mark, uint8_t e,
-                       uint8_t e1) {
+// Marks every id of one bucket: twice |= once & bit, then once |= bit. Branch-free: whether a
+// token was seen is a coin flip per id, which a branch would mispredict half the time.
+inline void MarkBucket(const int32_t* row, int32_t j, int32_t end, uint64_t* once,
+                       uint64_t* twice) {
   for (; j < end; ++j) {
-    const int32_t i = row[j];
-    mark[i] = mark[i] >= e ? e1 : e;
+    const uint32_t i = static_cast<uint32_t>(row[j]);
+    const uint64_t bit = uint64_t{1} << (i & 63);
+    twice[i >> 6] |= once[i >> 6] & bit;
+    once[i >> 6] |= bit;
   }
+}
+
+// Ids of the set bits of words [0, words), ascending, into cand; returns the count.
+inline int64_t SetBits(const uint64_t* bits, int64_t words, int32_t* cand) {
+  int64_t count = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    for (uint64_t b = bits[w]; b; b &= b - 1) {
+      cand[count++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(b));
+    }
+  }
+  return count;
 }
 
 // Requests a bucket's ids (up to 16 cache lines) ahead of its walk. A bucket is a few lines
@@ -601,16 +580,16 @@ constexpr int kMaxTablesOnStack = 256;
 
 // Writes to `cand`, in ascending order, every pool token (id < n) that shares the query's code in
 // at least 2 tables; returns the count. Ascending ids make the later K/V gathers walk memory
-// forwards. The caller has reserved the counter for n and `cand` for n + kScanSlack ids.
+// forwards. The caller has reserved the counter for n and `cand` for n ids.
 // `offsets`: [L, 2^K + 1]; `ids[t][.]`: token ids of table t sorted by bucket; `codes`: the
 // query's L codes, already checked to lie in [0, 2^K).
 template <typename Tables>
-int64_t CollectCandidates(const VecOps& ops, const int32_t* offsets, const Tables& ids,
+int64_t CollectCandidates(const int32_t* offsets, const Tables& ids,
                           const int32_t* codes, int num_bits, int num_tables, int64_t n,
                           CollisionCounter& counter, int32_t* cand) {
-  counter.NextQuery();
-  const uint8_t e = static_cast<uint8_t>(counter.epoch), e1 = static_cast<uint8_t>(e + 1);
-  uint8_t* mark = counter.mark.data();
+  counter.NextQuery(n);
+  uint64_t* once = counter.once.data();
+  uint64_t* twice = counter.twice.data();
   const int64_t stride = (int64_t{1} << num_bits) + 1;
   // Each table's bucket is elsewhere in memory (a miss per table): read all bucket bounds first
   // (independent loads that overlap), then walk with the next tables' buckets prefetched.
@@ -630,10 +609,10 @@ int64_t CollectCandidates(const VecOps& ops, const int32_t* offsets, const Table
       if (t + kAhead < nt) {
         PrefetchBucket(ids[t0 + t + kAhead].data(), begin[t + kAhead], end[t + kAhead]);
       }
-      MarkBucket(ids[t0 + t].data(), begin[t], end[t], mark, e, e1);
+      MarkBucket(ids[t0 + t].data(), begin[t], end[t], once, twice);
     }
   }
-  return ops.scan_marks(mark, n, e1, cand);
+  return SetBits(twice, (n + 63) / 64, cand);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ inline int ResolveThreads(int threads) {
   return std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxThreads);
 }
 
-// Bytes of the per-worker scratch (collision marks, candidate ids, scores, query, bucket counts).
+// Bytes of the per-worker scratch (collision bitsets, candidate ids, scores, query, bucket
+// counts; an upper bound: the bitsets take 2 bits per token, counted as a byte).
 // Cannot overflow: capacity < 2^31, head_dim < 2^31, num_bits <= 24.
 // The proxy adds a selection buffer of capacity floats.
 inline uint64_t ScratchBytes(const StoreConfig& c) {
@@ -380,7 +381,7 @@ class Store {
     std::vector<int32_t> select_ids;  // proxy: the selection's ids [pool + 8]
     Profile prof;
     uint64_t Bytes() const {
-      return counter.mark.capacity() + 4 * (score.capacity() + bucket.capacity() +
+      return counter.Bytes() + 4 * (score.capacity() + bucket.capacity() +
                                             select.capacity() + select_ids.capacity());
     }
   };
@@ -780,7 +781,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
     }
     const int32_t* qcodes = a.codes + i * c.num_tables;
     const uint64_t t0 = prof ? NowNs() : 0;
-    const int64_t count = CollectCandidates(ops_, p.offsets.data(), p.ids, qcodes, c.num_bits,
+    const int64_t count = CollectCandidates(p.offsets.data(), p.ids, qcodes, c.num_bits,
                                             c.num_tables, p.n, s.counter, cand);
     if (prof) {
       s.prof.lookup_ns += NowNs() - t0;
