@@ -14,7 +14,7 @@ from pigjax import bench, bench_contexts
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
-from pigjax.model import apply_rope, rope_tables
+from pigjax.model import apply_rope, rope_inv_freq, rope_tables
 from pigjax.pipeline import Pipeline
 
 
@@ -217,7 +217,6 @@ def test_quant_matmul_chain_benchmark_runs_both_layouts():
 def test_with_rope_scaling(tiny):
   """The benchmark's RoPE scaling sets the model's config and the run's, and only the long
   wavelengths change (llama3 scaling leaves wavelengths under the trained context / 4 alone)."""
-  from pigjax.model import rope_inv_freq
   pipe = types.SimpleNamespace(cfg=tiny.cfg, model=types.SimpleNamespace(cfg=tiny.cfg.model))
   assert bench.with_rope_scaling(pipe, 0) is tiny.cfg and pipe.model.cfg is tiny.cfg.model
   with pytest.raises(ValueError, match=">= 0"):

@@ -487,7 +487,8 @@ struct VecOps {
 
 inline VecOps ScalarVecOps() {
   return VecOps{"scalar", &scalar::Dot<float>, &scalar::Dot<bf16>, &scalar::Axpy<float>,
-                &scalar::Axpy<bf16>, &scalar::Dot<int8_t>, &scalar::Axpy<int8_t>, &scalar::Scores, &scalar::ExpSum, &scalar::LogUs};
+                &scalar::Axpy<bf16>, &scalar::Dot<int8_t>, &scalar::Axpy<int8_t>,
+                &scalar::Scores, &scalar::ExpSum, &scalar::LogUs};
 }
 
 // Whether to run the AVX2+FMA kernels: the CPU has them and PIGJAX_KERNELS=scalar is not set in
@@ -527,20 +528,19 @@ inline const VecOps& GetVecOps() {
 // previous epoch-marked array, 32 KiB at 32k) shared L1 with the streamed bucket ids and took
 // ~15 cycles per id. Clearing the words below the pool size per query costs n / 32 bytes.
 struct CollisionCounter {
-  std::vector<uint64_t> once, twice;  // [>= (pool size + 63) / 64]
+  std::vector<uint64_t> once, twice;  // [>= Words(pool size)]
 
+  static int64_t Words(int64_t n) { return (n + 63) / 64; }
   void Reserve(int64_t n) {
-    const size_t words = static_cast<size_t>((n + 63) / 64);
-    if (once.size() < words) {
-      once.resize(words, 0);
-      twice.resize(words, 0);
+    if (once.size() < size_t(Words(n))) {
+      once.resize(Words(n), 0);
+      twice.resize(Words(n), 0);
     }
   }
   // Clears the bits of ids < n (the only ones a walk over a pool of n tokens sets).
   void NextQuery(int64_t n) {
-    const size_t words = static_cast<size_t>((n + 63) / 64);
-    std::fill(once.begin(), once.begin() + words, uint64_t{0});
-    std::fill(twice.begin(), twice.begin() + words, uint64_t{0});
+    std::fill(once.begin(), once.begin() + Words(n), uint64_t{0});
+    std::fill(twice.begin(), twice.begin() + Words(n), uint64_t{0});
   }
   uint64_t Bytes() const { return 8 * (once.capacity() + twice.capacity()); }
 };
@@ -612,7 +612,7 @@ int64_t CollectCandidates(const int32_t* offsets, const Tables& ids,
       MarkBucket(ids[t0 + t].data(), begin[t], end[t], once, twice);
     }
   }
-  return SetBits(twice, (n + 63) / 64, cand);
+  return SetBits(twice, CollisionCounter::Words(n), cand);
 }
 
 // ---------------------------------------------------------------------------------------------

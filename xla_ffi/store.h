@@ -389,11 +389,10 @@ class Store {
   // workers_.ParallelFor, counting (when profiling) the parallel calls and their time before a
   // second worker joined.
   void ParallelFor(int64_t n, const ThreadPool::Task& task, bool inline_only = false) {
-    const bool parallel = n > 1 && workers_.size() > 1 && !inline_only;
-    const uint64_t alone = workers_.ParallelFor(n, task, inline_only);
-    if (profiling_ && parallel) {
+    const ThreadPool::CallStats call = workers_.ParallelFor(n, task, inline_only);
+    if (profiling_ && call.parallel) {
       prof_.parallel_calls += 1;
-      prof_.alone_ns += alone;
+      prof_.alone_ns += call.alone_ns;
     }
   }
 

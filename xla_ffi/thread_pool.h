@@ -57,13 +57,18 @@ class ThreadPool {
   // for a wake-up). The caller works too, and waits only for tasks that were started, never
   // for a worker that has not woken up yet: on a busy machine a wake-up can take a scheduler
   // tick, far longer than the tasks of one attend call.
-  // Returns how long the call ran on the calling thread alone, before another worker started a
-  // task (the whole call if none did; 0 for an inline call): how late the workers woke up.
-  uint64_t ParallelFor(int64_t n, const Task& task, bool inline_only = false) {
-    if (n <= 0) return 0;
+  // Returns whether the call ran in parallel and, if so, how long it ran on the calling thread
+  // alone before another worker started a task (the whole call if none did): how late the
+  // workers woke up.
+  struct CallStats {
+    bool parallel = false;
+    uint64_t alone_ns = 0;
+  };
+  CallStats ParallelFor(int64_t n, const Task& task, bool inline_only = false) {
+    if (n <= 0) return {};
     if (n == 1 || threads_.empty() || inline_only) {
       for (int64_t i = 0; i < n; ++i) task(i, 0);
-      return 0;
+      return {};
     }
     std::lock_guard<std::mutex> turn(call_mu_);
     const uint64_t t0 = Now();
@@ -95,7 +100,7 @@ class ThreadPool {
     const uint64_t joined = joined_ns_.load();
     const uint64_t alone = (joined ? std::max(joined, t0) : Now()) - t0;
     if (error_) std::rethrow_exception(error_);
-    return alone;
+    return {true, alone};
   }
 
  private:
