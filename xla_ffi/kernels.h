@@ -103,12 +103,16 @@ inline double LogCollisionProb(double cos, int num_bits, int num_tables) {
 // interpolated linearly in y from a table. log u is smooth in y (for P -> 0 it tends to the line
 // log C(L,2) + 2y, used below the table), and with 2^14 intervals on [-40, 0] the interpolation
 // error is below 1e-6 for every L (checked for L in 2..1000), i.e. at float32 resolution.
+// The table runs from y = 0 down, so the position x = y * (kSize / kLo) is a float product with
+// full relative precision wherever y is (no y - kLo, whose rounding near y = 0 would lose the
+// bits that place y inside its interval), and the vector version needs no double arithmetic.
 // `operator()` is the scalar version; avx2::LogU8 below evaluates 8 at once the same way.
 class LogCollisionTable {
  public:
   static constexpr int kSize = 1 << 14;
   static constexpr double kLo = -40.0;                // P = e^-40: far below where L P matters
   static constexpr float kLogFloor = -69.07755279f;  // log(kMinCollisionProb)
+  static constexpr float kPerUnitY = static_cast<float>(kSize / kLo);  // intervals per unit of y
 
   LogCollisionTable(int num_bits, int num_tables)
       : num_bits_(static_cast<float>(num_bits)),
@@ -116,7 +120,7 @@ class LogCollisionTable {
         table_(kSize + 1) {
     for (int i = 0; i <= kSize; ++i) {
       // Unfloored: interpolating across the floor's kink would blur it.
-      table_[i] = static_cast<float>(LogCollisionProbUnfloored(kLo * (1.0 - double(i) / kSize),
+      table_[i] = static_cast<float>(LogCollisionProbUnfloored(kLo * double(i) / kSize,
                                                                num_tables));
     }
   }
@@ -125,11 +129,10 @@ class LogCollisionTable {
     const float p = 1.f - std::acos(std::min(1.f, std::max(-1.f, cos))) / static_cast<float>(M_PI);
     if (!(p > 0.f)) return kLogFloor;
     const float y = num_bits_ * std::log(p);
-    if (y < static_cast<float>(kLo)) return std::max(log_pairs_ + 2.f * y, kLogFloor);
-    // In double: y + 40 in float would lose the bits that place y inside its interval.
-    const double x = (static_cast<double>(y) - kLo) * (kSize / -kLo);
+    const float x = y * kPerUnitY;
+    if (!(x <= static_cast<float>(kSize))) return std::max(log_pairs_ + 2.f * y, kLogFloor);
     const int i = std::min(static_cast<int>(x), kSize - 1);
-    const float f = static_cast<float>(x - i);
+    const float f = x - static_cast<float>(i);
     return std::max(table_[i] + f * (table_[i + 1] - table_[i]), kLogFloor);
   }
 
@@ -139,7 +142,7 @@ class LogCollisionTable {
 
  private:
   float num_bits_, log_pairs_;
-  std::vector<float> table_;  // log u at y = kLo * (1 - i / kSize)
+  std::vector<float> table_;  // log u at y = kLo * i / kSize
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -315,29 +318,26 @@ PIGJAX_AVX2 inline __m256 Exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
-// LogCollisionTable::operator() for 8 cosines, the same steps (table index in double).
+// LogCollisionTable::operator() for 8 cosines, the same steps.
 PIGJAX_AVX2 inline __m256 LogU8(__m256 cos, const LogCollisionTable& t) {
   using LCT = LogCollisionTable;
   cos = _mm256_min_ps(Set(1.f), _mm256_max_ps(Set(-1.f), cos));
+  // Divided, not multiplied by 1/pi: acos(-1) / pi is exactly 1, so p = 0 and cos = -1 floors.
   const __m256 p = _mm256_sub_ps(Set(1.f), _mm256_div_ps(Acos8(cos), Set(static_cast<float>(M_PI))));
   const __m256 valid = _mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_GT_OQ);
   const __m256 y = _mm256_mul_ps(Set(t.num_bits()), Log8(_mm256_blendv_ps(Set(1.f), p, valid)));
   // Below the table: the line log C(L,2) + 2y.
   const __m256 line = _mm256_fmadd_ps(Set(2.f), y, Set(t.log_pairs()));
-  // Inside: x = (y - lo) * size / -lo in double, i = min(floor x, size - 1), f = x - i.
-  const __m256d k = _mm256_set1_pd(LCT::kSize / -LCT::kLo), lo = _mm256_set1_pd(LCT::kLo);
-  const __m256d x0 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y)), lo), k);
-  const __m256d x1 = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)), lo), k);
-  const __m256d top = _mm256_set1_pd(LCT::kSize - 1), zero = _mm256_setzero_pd();
-  const __m256d i0 = _mm256_max_pd(zero, _mm256_min_pd(top, _mm256_floor_pd(x0)));
-  const __m256d i1 = _mm256_max_pd(zero, _mm256_min_pd(top, _mm256_floor_pd(x1)));
-  const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_sub_pd(x1, i1)),
-                                   _mm256_cvtpd_ps(_mm256_sub_pd(x0, i0)));
-  const __m256i idx = _mm256_set_m128i(_mm256_cvttpd_epi32(i1), _mm256_cvttpd_epi32(i0));
+  // Inside: x = y * size / lo, i = min(floor x, size - 1), f = x - i.
+  const __m256 x = _mm256_mul_ps(y, Set(LCT::kPerUnitY));
+  const __m256 i = _mm256_min_ps(Set(static_cast<float>(LCT::kSize - 1)),
+                                 _mm256_floor_ps(x));
+  const __m256 f = _mm256_sub_ps(x, i);
+  const __m256i idx = _mm256_cvttps_epi32(i);
   const __m256 a = _mm256_i32gather_ps(t.data(), idx, 4);
   const __m256 b = _mm256_i32gather_ps(t.data() + 1, idx, 4);
   const __m256 inside = _mm256_fmadd_ps(f, _mm256_sub_ps(b, a), a);
-  const __m256 below = _mm256_cmp_ps(y, Set(static_cast<float>(LCT::kLo)), _CMP_LT_OQ);
+  const __m256 below = _mm256_cmp_ps(x, Set(static_cast<float>(LCT::kSize)), _CMP_GT_OQ);
   const __m256 r = _mm256_max_ps(_mm256_blendv_ps(inside, line, below), Set(LCT::kLogFloor));
   return _mm256_blendv_ps(Set(LCT::kLogFloor), r, valid);
 }
