@@ -7,7 +7,7 @@ instead scores *every* pool key cheaply and reads only the best:
 
 1. Index (at prefill): the centred keys k~ = k - mu, quantized per channel to `proxy_bits` bits
    (uniform levels between the channel's min and max over the pool: 2 * D floats per head, and
-   D * bits / 8 bytes per token, 32 at 4 bits against (10,150)'s 604 bytes of table ids + norm).
+   D * bits / 8 bytes per token, 32 at 4 bits against (10,150)'s 300 bytes of 16-bit table ids).
 2. Proxy scores: s~_i = scale * (q . deq(k~_i) + q . mu) for every pool key (a scan of the index:
    its bytes are the estimator's lookup cost, reported next to the rows read). With
    deq(k~_i) = lo + code_i * step this is bias + sum_e w_e code_ie, w = scale * q * step; the

@@ -83,7 +83,7 @@ def test_geometry_limits_name_the_value_and_the_limit():
   ok = dict(num_layers=3, num_slots=2, num_kv_heads=2, head_dim=8, num_bits=3, num_tables=4,
             capacity=16, threads=1)
   for dtype, row_bytes in [("float32", 80), ("bfloat16", 48), ("int8", 32)]:
-    per_head = 16 * row_bytes + 8 * 4 + 4 * ((8 + 1) * 4 + 16 * 4)
+    per_head = 16 * row_bytes + 8 * 4 + 4 * ((8 + 1) * 4 + 16 * 2)  # 16-bit table ids
     est = HostKVStore.estimate_bytes(**ok, dtype=dtype)
     assert 12 * per_head < est < 12 * per_head + 12 * 1024 + 64 * 1024, dtype
 

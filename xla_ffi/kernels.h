@@ -545,12 +545,22 @@ struct CollisionCounter {
   uint64_t Bytes() const { return 8 * (once.capacity() + twice.capacity()); }
 };
 
+// The tables of a pool come in segments of kSegmentTokens consecutive tokens, each with its own
+// bucket offsets, so that a token id within its segment fits 16 bits: half the bytes of int32 ids
+// in memory (the tables are most of a pool: 150 x 2 bytes per token against a 272-byte bf16 row)
+// and half the cache lines a lookup walks. An append only touches the last segment.
+constexpr int64_t kSegmentTokens = int64_t{1} << 16;
+struct TableSegment {
+  std::vector<int32_t> offsets;            // [L, 2^K + 1]: bucket starts per table
+  std::vector<std::vector<uint16_t>> ids;  // [L][segment tokens]: ids - segment start, by bucket
+};
+
 // Marks every id of one bucket: twice |= once & bit, then once |= bit. Branch-free: whether a
 // token was seen is a coin flip per id, which a branch would mispredict half the time.
-inline void MarkBucket(const int32_t* row, int32_t j, int32_t end, uint64_t* once,
+inline void MarkBucket(const uint16_t* row, int32_t j, int32_t end, uint64_t* once,
                        uint64_t* twice) {
   for (; j < end; ++j) {
-    const uint32_t i = static_cast<uint32_t>(row[j]);
+    const uint32_t i = row[j];
     const uint64_t bit = uint64_t{1} << (i & 63);
     twice[i >> 6] |= once[i >> 6] & bit;
     once[i >> 6] |= bit;
@@ -570,26 +580,19 @@ inline int64_t SetBits(const uint64_t* bits, int64_t words, int32_t* cand) {
 
 // Requests a bucket's ids (up to 16 cache lines) ahead of its walk. A bucket is a few lines
 // somewhere in a large table: left to the hardware prefetcher, each line would be a DRAM miss.
-inline void PrefetchBucket(const int32_t* row, int32_t begin, int32_t end) {
+inline void PrefetchBucket(const uint16_t* row, int32_t begin, int32_t end) {
   const char* p = reinterpret_cast<const char*>(row + begin);
-  const char* stop = reinterpret_cast<const char*>(row + std::min(end, begin + 16 * 16));
+  const char* stop = reinterpret_cast<const char*>(row + std::min(end, begin + 16 * 32));
   for (; p < stop; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
 constexpr int kMaxTablesOnStack = 256;
 
-// Writes to `cand`, in ascending order, every pool token (id < n) that shares the query's code in
-// at least 2 tables; returns the count. Ascending ids make the later K/V gathers walk memory
-// forwards. The caller has reserved the counter for n and `cand` for n ids.
-// `offsets`: [L, 2^K + 1]; `ids[t][.]`: token ids of table t sorted by bucket; `codes`: the
-// query's L codes, already checked to lie in [0, 2^K).
-template <typename Tables>
-int64_t CollectCandidates(const int32_t* offsets, const Tables& ids,
-                          const int32_t* codes, int num_bits, int num_tables, int64_t n,
-                          CollisionCounter& counter, int32_t* cand) {
-  counter.NextQuery(n);
-  uint64_t* once = counter.once.data();
-  uint64_t* twice = counter.twice.data();
+// Marks the tokens of one segment that share the query's code in a table (once, then twice).
+// `once` and `twice` point at the segment's first word; `codes`: the query's L codes, already
+// checked to lie in [0, 2^K).
+inline void MarkSegment(const TableSegment& seg, const int32_t* codes, int num_bits,
+                        int num_tables, uint64_t* once, uint64_t* twice) {
   const int64_t stride = (int64_t{1} << num_bits) + 1;
   // Each table's bucket is elsewhere in memory (a miss per table): read all bucket bounds first
   // (independent loads that overlap), then walk with the next tables' buckets prefetched.
@@ -598,21 +601,38 @@ int64_t CollectCandidates(const int32_t* offsets, const Tables& ids,
   for (int t0 = 0; t0 < num_tables; t0 += kMaxTablesOnStack) {
     const int nt = std::min(num_tables - t0, kMaxTablesOnStack);
     for (int t = 0; t < nt; ++t) {
-      const int32_t* off = offsets + (t0 + t) * stride + codes[t0 + t];
+      const int32_t* off = seg.offsets.data() + (t0 + t) * stride + codes[t0 + t];
       begin[t] = off[0];
       end[t] = off[1];
     }
     for (int t = 0; t < std::min(nt, kAhead); ++t) {
-      PrefetchBucket(ids[t0 + t].data(), begin[t], end[t]);
+      PrefetchBucket(seg.ids[t0 + t].data(), begin[t], end[t]);
     }
     for (int t = 0; t < nt; ++t) {
       if (t + kAhead < nt) {
-        PrefetchBucket(ids[t0 + t + kAhead].data(), begin[t + kAhead], end[t + kAhead]);
+        PrefetchBucket(seg.ids[t0 + t + kAhead].data(), begin[t + kAhead], end[t + kAhead]);
       }
-      MarkBucket(ids[t0 + t].data(), begin[t], end[t], once, twice);
+      MarkBucket(seg.ids[t0 + t].data(), begin[t], end[t], once, twice);
     }
   }
-  return SetBits(twice, CollisionCounter::Words(n), cand);
+}
+
+// Writes to `cand`, in ascending order, every pool token (id < n) that shares the query's code in
+// at least 2 tables; returns the count. Ascending ids make the later K/V gathers walk memory
+// forwards. The caller has reserved the counter for n and `cand` for n ids. `segments`: the
+// pool's table segments (segment s holds tokens from s * kSegmentTokens).
+inline int64_t CollectCandidates(const std::vector<TableSegment>& segments, const int32_t* codes,
+                                 int num_bits, int num_tables, int64_t n,
+                                 CollisionCounter& counter, int32_t* cand) {
+  counter.NextQuery(n);
+  constexpr int64_t kSegmentWords = kSegmentTokens / 64;
+  // (Segments past the pool's tokens may exist: allocated by an insert that then failed.)
+  const size_t used = std::min(segments.size(), size_t((n + kSegmentTokens - 1) / kSegmentTokens));
+  for (size_t s = 0; s < used; ++s) {
+    MarkSegment(segments[s], codes, num_bits, num_tables, counter.once.data() + s * kSegmentWords,
+                counter.twice.data() + s * kSegmentWords);
+  }
+  return SetBits(counter.twice.data(), CollisionCounter::Words(n), cand);
 }
 
 // ---------------------------------------------------------------------------------------------

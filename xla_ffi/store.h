@@ -159,9 +159,8 @@ struct HeadPool {
   std::vector<char> rows;                 // [n] rows: RowHeader (|k_i - mu| from the stored
                                           // key, scales), K [D], V [D] of the store dtype
   std::vector<float> mu;                  // [D]
-  std::vector<int32_t> offsets;           // [L, 2^K + 1]: bucket starts per table
-  std::vector<std::vector<int32_t>> ids;  // [L][n]: token ids sorted by bucket per table
-  // Proxy estimator only (then offsets and ids stay empty): the index and its statistics, set
+  std::vector<TableSegment> segments;     // the LSH tables, a segment per 2^16 tokens
+  // Proxy estimator only (then there are no table segments): the index and its statistics, set
   // by the pool's first insert and kept for every later one (appended keys are coded with them,
   // clamped: estimators.quantize_with_stats), and the sum of V for the tail's mean V.
   std::vector<uint8_t> codes;             // [n, ProxyLayout::bytes]
@@ -169,9 +168,12 @@ struct HeadPool {
   std::vector<double> v_sum;              // [D]
 
   uint64_t Bytes() const {
-    uint64_t b = rows.capacity() + 4 * (mu.capacity() + offsets.capacity()) + codes.capacity() +
+    uint64_t b = rows.capacity() + 4 * mu.capacity() + codes.capacity() +
                  4 * (lo.capacity() + step.capacity()) + 8 * v_sum.capacity();
-    for (const auto& t : ids) b += 4 * t.capacity();
+    for (const auto& seg : segments) {
+      b += 4 * seg.offsets.capacity();
+      for (const auto& t : seg.ids) b += 2 * t.capacity();
+    }
     return b;
   }
   void Clear() { *this = HeadPool(); }
@@ -191,14 +193,16 @@ inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out) {
   };
   const uint64_t cap = c.capacity, d = c.head_dim, tables = c.num_tables;
   const uint64_t buckets = (uint64_t{1} << c.num_bits) + 1;
-  // Per (layer, slot, kv head): rows of header (|k~|, scales) + K + V; mu (f32); per table CSR
-  // offsets and ids. RowBytes cannot overflow: head_dim < 2^31 and elements are <= 4 bytes.
+  const uint64_t segments = (cap + kSegmentTokens - 1) / kSegmentTokens;
+  // Per (layer, slot, kv head): rows of header (|k~|, scales) + K + V; mu (f32); per table
+  // segment and table CSR offsets, and 16-bit ids. RowBytes cannot overflow: head_dim < 2^31 and
+  // elements are <= 4 bytes.
   const uint64_t row_bytes = static_cast<uint64_t>(RowBytes(int64_t{c.head_dim},
                                                             DTypeSize(c.dtype)));
   const uint64_t index = c.estimator == Estimator::kProxy
                              ? add(mul(cap, uint64_t(ProxyLayout(c.proxy_bits, c.head_dim).bytes)),
                                    d * 16)
-                             : mul(tables, buckets * 4 + cap * 4);
+                             : mul(tables, add(mul(segments, buckets * 4), cap * 2));
   const uint64_t per_head = add(add(mul(cap, row_bytes), d * 4), index);
   const uint64_t pools = mul(mul(uint64_t(c.num_layers), uint64_t(c.num_slots)),
                              uint64_t(c.num_kv_heads));
@@ -449,11 +453,19 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
     IndexTokens(a, b, kvh, p, len);
   } else {
     p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
-    if (p.offsets.empty()) {
-      p.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
-      p.ids.resize(cfg_.num_tables);
+    // Allocate here, so that the table pass cannot fail.
+    p.segments.resize(std::max<size_t>(p.segments.size(), (n1 + kSegmentTokens - 1) / kSegmentTokens));
+    for (int64_t s = n0 / kSegmentTokens; s * kSegmentTokens < n1; ++s) {
+      TableSegment& seg = p.segments[s];
+      if (seg.offsets.empty()) {
+        seg.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
+        seg.ids.resize(cfg_.num_tables);
+      }
+      const int64_t first = s * kSegmentTokens;
+      for (auto& ids : seg.ids) {
+        GrowTo(ids, std::min(n1 - first, kSegmentTokens), std::min(limit - first, kSegmentTokens));
+      }
     }
-    for (auto& ids : p.ids) GrowTo(ids, n1, limit);  // allocate here so the table pass cannot fail
   }
 
   std::vector<float> kf(d), vf(d);
@@ -497,36 +509,43 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
   }
 }
 
-// Table t of (b, kvh): new offsets = old offsets + running counts of the new codes; old ids of
-// each bucket slide right in place (last bucket first, so nothing is overwritten), then the new
-// ids fill the gaps. Ids stay sorted within each bucket.
+// Table t of (b, kvh), per segment the new tokens reach: new offsets = old offsets + running
+// counts of the new codes; old ids of each bucket slide right in place (last bucket first, so
+// nothing is overwritten), then the new ids fill the gaps. Ids stay sorted within each bucket.
 inline void Store::AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, int t, int64_t n0,
                                  int64_t len, Scratch& s) {
   HeadPool& p = Pool(a.layer, a.slots[b], kvh);
   const int64_t nb = int64_t{1} << cfg_.num_bits, tt = a.k_shape[2], nt = cfg_.num_tables;
-  int32_t* off = p.offsets.data() + t * (nb + 1);
-  int32_t* ids = p.ids[t].data();
   int32_t* cnt = s.bucket.data();
-  std::fill(cnt, cnt + nb + 1, 0);
-  const int32_t* codes = a.codes + (b * cfg_.num_kv_heads + kvh) * tt * nt + t;
-  for (int64_t j = 0; j < len; ++j) ++cnt[codes[j * nt]];
-  // cnt[x] becomes the number of new tokens in buckets < x.
-  int32_t run = 0;
-  for (int64_t x = 0; x <= nb; ++x) {
-    const int32_t c = cnt[x];
-    cnt[x] = run;
-    run += c;
-  }
-  for (int64_t x = nb - 1; x >= 0; --x) {
-    const int32_t old_start = off[x], old_len = off[x + 1] - off[x];
-    if (old_len > 0 && cnt[x] > 0) {
-      std::memmove(ids + old_start + cnt[x], ids + old_start, sizeof(int32_t) * old_len);
+  for (int64_t j0 = 0; j0 < len;) {
+    const int64_t seg_index = (n0 + j0) / kSegmentTokens;
+    const int64_t first = (n0 + j0) - seg_index * kSegmentTokens;  // within the segment
+    const int64_t run = std::min(len - j0, kSegmentTokens - first);
+    TableSegment& seg = p.segments[seg_index];
+    int32_t* off = seg.offsets.data() + t * (nb + 1);
+    uint16_t* ids = seg.ids[t].data();
+    const int32_t* codes = a.codes + ((b * cfg_.num_kv_heads + kvh) * tt + j0) * nt + t;
+    std::fill(cnt, cnt + nb + 1, 0);
+    for (int64_t j = 0; j < run; ++j) ++cnt[codes[j * nt]];
+    // cnt[x] becomes the number of new tokens in buckets < x.
+    int32_t total = 0;
+    for (int64_t x = 0; x <= nb; ++x) {
+      const int32_t c = cnt[x];
+      cnt[x] = total;
+      total += c;
     }
+    for (int64_t x = nb - 1; x >= 0; --x) {
+      const int32_t old_start = off[x], old_len = off[x + 1] - off[x];
+      if (old_len > 0 && cnt[x] > 0) {
+        std::memmove(ids + old_start + cnt[x], ids + old_start, sizeof(uint16_t) * old_len);
+      }
+    }
+    for (int64_t x = 0; x <= nb; ++x) off[x] += cnt[x];
+    // The next free position in bucket x is the end of its old ids: new off[x+1] - new tokens in x.
+    for (int64_t x = 0; x < nb; ++x) cnt[x] = off[x + 1] - (cnt[x + 1] - cnt[x]);
+    for (int64_t j = 0; j < run; ++j) ids[cnt[codes[j * nt]]++] = static_cast<uint16_t>(first + j);
+    j0 += run;
   }
-  for (int64_t x = 0; x <= nb; ++x) off[x] += cnt[x];
-  // The next free position in bucket x is the end of its old ids: new off[x+1] - new tokens in x.
-  for (int64_t x = 0; x < nb; ++x) cnt[x] = off[x + 1] - (cnt[x + 1] - cnt[x]);
-  for (int64_t j = 0; j < len; ++j) ids[cnt[codes[j * nt]]++] = static_cast<int32_t>(n0 + j);
 }
 
 // Non-finite inputs: insert and attend reject a NaN or +-Inf in k, v, mu or q with an error that
@@ -780,19 +799,21 @@ inline std::string Store::Attend(const AttendArgs& a) {
     }
     const int32_t* qcodes = a.codes + i * c.num_tables;
     const uint64_t t0 = prof ? NowNs() : 0;
-    const int64_t count = CollectCandidates(p.offsets.data(), p.ids, qcodes, c.num_bits,
-                                            c.num_tables, p.n, s.counter, cand);
+    const int64_t count = CollectCandidates(p.segments, qcodes, c.num_bits, c.num_tables, p.n,
+                                            s.counter, cand);
     if (prof) {
       s.prof.lookup_ns += NowNs() - t0;
       uint64_t walked = 0;
-      for (int t = 0; t < c.num_tables; ++t) {
-        const int32_t* off = p.offsets.data() + t * (nb + 1);
-        walked += off[qcodes[t] + 1] - off[qcodes[t]];
+      for (const TableSegment& seg : p.segments) {
+        for (int t = 0; t < c.num_tables; ++t) {
+          const int32_t* off = seg.offsets.data() + t * (nb + 1);
+          walked += off[qcodes[t] + 1] - off[qcodes[t]];
+        }
       }
       s.prof.heads += 1;
       s.prof.ids_walked += walked;
       s.prof.candidates += count;
-      s.prof.bytes += walked * 4 + count * RowBytes(d, DTypeSize(c.dtype));
+      s.prof.bytes += walked * 2 + count * RowBytes(d, DTypeSize(c.dtype));
       for (int64_t j = 0; j < count; ++j) {
         s.prof.candidate_bins[int64_t{cand[j]} * Profile::kBins / p.n] += 1;
       }
