@@ -292,7 +292,8 @@ def main(argv):
   res = {"cpu": bench.cpu_model(), "flags": FLAGS.flags_into_string()}
   res["bandwidth"] = bench.memory_bandwidth(threads=FLAGS.threads)
   log("bandwidth", res["bandwidth"])
-  res["host_bytes_per_token"] = bench.host_bytes_per_token(64, FLAGS.num_tables)
+  res["host_bytes_per_token"] = bench.host_bytes_per_token(64, FLAGS.num_tables,
+                                                          FLAGS.store_dtype)
   # Peers and the small configuration first: the largest SmolLM2 contexts come last.
   for part in (llamacpp, llama8b, smollm2):
     part(res)
