@@ -262,6 +262,25 @@ def test_empty_candidate_set():
     assert np.all(np.isfinite(lse)) and np.all(np.isfinite(o))
 
 
+@pytest.mark.parametrize("num_tables", [256, 300, 600])
+def test_collision_counts_past_255_tables(num_tables):
+  """The lookup counts each token's colliding tables in a byte, in passes of up to 253 tables:
+  a token in every table (256 = 0 mod 256), one in the first and last table only (two passes
+  apart), and one in a single table."""
+  B, K, T, L = 1, 1, 40, num_tables
+  d = _make(4, B, K, 1, T, [T], 2, L, oracle=False)
+  codes = np.ones((B, K, T, L), np.int32)
+  codes[..., :10, :] = 0           # tokens 0-9 collide in every table
+  codes[..., 10:20, [0, L - 1]] = 0  # 10-19 in the first and the last
+  codes[..., 20:30, 5] = 0         # 20-29 in one table only: not candidates
+  qcodes = jnp.zeros((B, K, L), jnp.int32)
+  with _store(1, K, 2, L, T) as s:
+    n = store_insert(s.handle, 0, jnp.zeros(1, jnp.int32), d["k"], d["v"], jnp.asarray(codes),
+                     d["lengths"], d["mu"])
+    _, _, count = store_attend(s.handle, 0, jnp.zeros(1, jnp.int32), d["q"], qcodes, n)
+  np.testing.assert_array_equal(count, [[20]])
+
+
 @pytest.mark.parametrize("kernels", ["best", "scalar"])
 @pytest.mark.parametrize("num_bits,num_tables", [(1, 2), (4, 8), (10, 150), (16, 1000)])
 def test_kernel_log_collision_prob(num_bits, num_tables, kernels, monkeypatch):
