@@ -315,8 +315,8 @@ def host_bytes_per_token(head_dim: int, num_tables: int, dtype: str = "bfloat16"
   per segment, not per token. The original keeps bf16 K and V, int32 ids per table and f32
   norms (its `hash_table` / `key_norm` tensors).
   """
-  elem = {"float32": 4, "bfloat16": 2, "int8": 1}[dtype]
-  ours = {"header": 16, "k_v": -(-(2 * head_dim * elem) // 16) * 16, "tables": 2 * num_tables}
+  kv = 2 * head_dim * jnp.dtype(dtype).itemsize
+  ours = {"header": 16, "k_v": -(-kv // 16) * 16, "tables": 2 * num_tables}
   ours["total"] = sum(ours.values())
   orig = {"k_v": 2 * head_dim * 2, "norm": 4, "tables": 4 * num_tables}
   orig["total"] = sum(orig.values())
