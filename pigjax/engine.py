@@ -208,7 +208,12 @@ class Engine:
       n_valid = np.clip(lengths_B - s, 0, step_len).astype(np.int32)
       cache, last_hidden_BE = prefill(self.params, cache, sh.rows(tokens_BP[:, s:s + step_len]),
                                       sh.rows(n_valid), last_hidden_BE)
-    compile_before = self.backend.compile_s  # the backend compiles its own programs lazily
+    # The backend compiles its own programs lazily (MagicPIG's store maintenance, seconds on first
+    # use) and that time is taken out of prefill_s below. The chunks above are only dispatched:
+    # wait for them first, or the prefill running under that compile would be taken out too
+    # (a first 2048-token MagicPIG prefill read 3.8 s, the next one 10.6 s, on a loaded machine).
+    jax.block_until_ready(last_hidden_BE)
+    compile_before = self.backend.compile_s
     cache = self.backend.after_prefill(cache, lengths_B)
     key, sub = jax.random.split(key)
     next_B = sh.local_rows(first(self.params, last_hidden_BE, sub, history))
