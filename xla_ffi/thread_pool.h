@@ -66,12 +66,14 @@ class ThreadPool {
   };
   CallStats ParallelFor(int64_t n, const Task& task, bool inline_only = false) {
     if (n <= 0) return {};
-    if (n == 1 || threads_.empty() || inline_only) {
+    // (More tasks than a claim can count never come from a real call: run them here too.)
+    if (n == 1 || threads_.empty() || inline_only || n > int64_t{kMaxTasks}) {
       for (int64_t i = 0; i < n; ++i) task(i, 0);
       return {};
     }
     std::lock_guard<std::mutex> turn(call_mu_);
     const uint64_t t0 = Now();
+    uint32_t gen;
     {
       std::lock_guard<std::mutex> lock(mu_);
       task_ = &task;
@@ -79,11 +81,12 @@ class ThreadPool {
       done_.store(0);
       error_ = nullptr;
       joined_ns_.store(0);
-      next_.store(0);  // after task_ and n_: a worker that claims an index sees this call's task
+      gen = static_cast<uint32_t>(generation_.load() + 1);
+      claim_.store(uint64_t{gen} << 32);  // this call's indices, from 0
       generation_.fetch_add(1, std::memory_order_release);
     }
     start_cv_.notify_all();
-    RunTasks(0);
+    RunTasks(0, gen, n, &task);
     // Every task has been claimed; the others finish theirs within a task's time. Polling for
     // that beats sleeping on done_cv_: a wake-up takes tens of microseconds on a VM, as long as
     // a whole decode matmul (2 threads ran 121 matmuls per SmolLM2 step slower than 1 did).
@@ -94,7 +97,6 @@ class ThreadPool {
     }
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [this] { return done_.load() == n_; });
-    next_.store(std::numeric_limits<int64_t>::max() / 2);  // late wakers find nothing to claim
     task_ = nullptr;
     // Until a second worker joined, the call ran on one core (the whole call if none did).
     const uint64_t joined = joined_ns_.load();
@@ -137,21 +139,38 @@ class ThreadPool {
     for (auto& t : threads_) t.join();
   }
 
-  void RunTasks(int worker) {
+  // Claims the next index of call `gen` into *i; false once that call's indices are all claimed
+  // or another call has begun. The generation is part of the claimed word: with a separate
+  // index counter, a worker that drew an exhausted index of one call and was preempted before
+  // comparing it with n could compare it with the next call's larger n and run that index a
+  // second time. done_ then counted past n, and a caller that missed the moment it equalled n
+  // waited forever (a decode step hung so, in a worker's cond-var wait, on the 2-vCPU VM).
+  bool Claim(uint32_t gen, int64_t n, int64_t* i) {
+    uint64_t c = claim_.load();
+    while ((c >> 32) == gen && static_cast<int64_t>(c & kMaxTasks) < n) {
+      if (claim_.compare_exchange_weak(c, c + 1)) {
+        *i = static_cast<int64_t>(c & kMaxTasks);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void RunTasks(int worker, uint32_t gen, int64_t n, const Task* task) {
     bool first = worker != 0;
-    for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
+    for (int64_t i = 0; Claim(gen, n, &i);) {
       if (first) {
         uint64_t zero = 0;
         joined_ns_.compare_exchange_strong(zero, Now());
         first = false;
       }
       try {
-        (*task_)(i, worker);
+        (*task)(i, worker);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!error_) error_ = std::current_exception();
       }
-      if (done_.fetch_add(1) + 1 == n_) {
+      if (done_.fetch_add(1) + 1 == n) {
         std::lock_guard<std::mutex> lock(mu_);
         done_cv_.notify_one();
       }
@@ -171,13 +190,20 @@ class ThreadPool {
 #endif
         }
       }
+      uint32_t gen;
+      int64_t n;
+      const Task* task;
       {
         std::unique_lock<std::mutex> lock(mu_);
         start_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
         if (stop_.load()) return;
         seen = generation_.load();
+        // The call of that generation, as one snapshot (null when it has already returned).
+        gen = static_cast<uint32_t>(seen);
+        n = n_.load();
+        task = task_;
       }
-      RunTasks(worker);
+      if (task) RunTasks(worker, gen, n, task);
     }
   }
 
@@ -187,7 +213,9 @@ class ThreadPool {
   std::condition_variable start_cv_, done_cv_;
   const Task* task_ = nullptr;
   std::atomic<int64_t> n_{0};
-  std::atomic<int64_t> next_{std::numeric_limits<int64_t>::max() / 2};
+  // Claims: (generation of the call) << 32 | (its next unclaimed index).
+  static constexpr uint64_t kMaxTasks = 0xffffffffu;
+  std::atomic<uint64_t> claim_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
