@@ -309,14 +309,15 @@ def set_profiling(store: HostKVStore, on: bool) -> None:
 def host_bytes_per_token(head_dim: int, num_tables: int, dtype: str = "bfloat16") -> dict:
   """Host bytes per pool token per KV head: pigjax's layout and the original MagicPIG's.
 
-  pigjax: one row per token, a 16-byte header (|k - mu| and the K and V scales) then K and V in
-  `dtype`, padded to 16 bytes; and a 16-bit id per table (the tables come in segments of 2^16
-  tokens, xla_ffi/kernels.h TableSegment). Each segment's CSR offsets (L x (2^K + 1) int32) are
-  per segment, not per token. The original keeps bf16 K and V, int32 ids per table and f32
-  norms (its `hash_table` / `key_norm` tensors).
+  pigjax: one row per token, K then V in `dtype`, padded to 16 bytes (|k - mu| is recomputed
+  from the row in the kernel; int8 rows keep their two f32 scales in a side array); and a 16-bit
+  id per table (the tables come in segments of 2^16 tokens, xla_ffi/kernels.h TableSegment). Each
+  segment's CSR offsets (L x (2^K + 1) int32) are per segment, not per token. The original keeps
+  bf16 K and V, int32 ids per table and f32 norms (its `hash_table` / `key_norm` tensors).
   """
   kv = 2 * head_dim * jnp.dtype(dtype).itemsize
-  ours = {"header": 16, "k_v": -(-kv // 16) * 16, "tables": 2 * num_tables}
+  ours = {"k_v": -(-kv // 16) * 16, "scales": 8 if dtype == "int8" else 0,
+          "tables": 2 * num_tables}
   ours["total"] = sum(ours.values())
   orig = {"k_v": 2 * head_dim * 2, "norm": 4, "tables": 4 * num_tables}
   orig["total"] = sum(orig.values())

@@ -64,7 +64,7 @@ class Sample:
   hwm_mb: float  # VmHWM (peak so far)
   store_mb: float  # host store's reserved bytes (HostKVStore.memory_bytes): capacity, not RSS
   pool_tokens: int  # pool size of slot 0 (prompt pool + evicted generated tokens)
-  pool_mb: float  # what those pool tokens occupy in the store (K, V, norms, table ids)
+  pool_mb: float  # what those pool tokens occupy in the store (K/V rows, int8 scales, table ids)
   attended: float  # attended fraction of the pool over the interval
 
 

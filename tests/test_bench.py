@@ -163,9 +163,9 @@ def test_memory_bandwidth_and_bytes_per_token():
   bw = bench.memory_bandwidth(mbytes=8, repeats=1)
   assert bw["copy_gbps"] > 0 and bw["read_gbps"] > 0
   b = bench.host_bytes_per_token(64, 150)
-  assert b["pigjax"]["total"] == 16 + 2 * 64 * 2 + 300  # header, bf16 K and V, 16-bit ids
+  assert b["pigjax"]["total"] == 2 * 64 * 2 + 300  # bf16 K and V, 16-bit ids
   assert b["original"]["tables"] == 600 and b["original"]["total"] == 860
-  assert bench.host_bytes_per_token(64, 150, "int8")["pigjax"]["total"] == 16 + 128 + 300
+  assert bench.host_bytes_per_token(64, 150, "int8")["pigjax"]["total"] == 128 + 8 + 300  # scales
 
 
 def test_attention_only_steps_run():

@@ -77,12 +77,12 @@ def test_geometry_limits_name_the_value_and_the_limit():
     HostKVStore.estimate_bytes(**{**big, "num_layers": 2**33})
   with pytest.raises(ValueError, match=r"capacity must be an int, got 1.5"):
     HostKVStore.estimate_bytes(**{**big, "capacity": 1.5})
-  # The estimate stays exact below the limit (a plain product, as before). A pool row is a
-  # 16-byte header (norm, K and V scales) then K and V, padded to 16 bytes: 80 bytes for float32
-  # at head_dim 8, 32 for int8.
+  # The estimate stays exact below the limit (a plain product, as before). A pool row is K then
+  # V, padded to 16 bytes: 64 bytes for float32 at head_dim 8; int8 rows (16 bytes) have their
+  # two f32 scales in a side array (8 bytes).
   ok = dict(num_layers=3, num_slots=2, num_kv_heads=2, head_dim=8, num_bits=3, num_tables=4,
             capacity=16, threads=1)
-  for dtype, row_bytes in [("float32", 80), ("bfloat16", 48), ("int8", 32)]:
+  for dtype, row_bytes in [("float32", 64), ("bfloat16", 32), ("int8", 16 + 8)]:
     per_head = 16 * row_bytes + 8 * 4 + 4 * ((8 + 1) * 4 + 16 * 2)  # 16-bit table ids
     est = HostKVStore.estimate_bytes(**ok, dtype=dtype)
     assert 12 * per_head < est < 12 * per_head + 12 * 1024 + 64 * 1024, dtype

@@ -13,7 +13,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #define PIGJAX_X86 1
@@ -548,9 +553,72 @@ struct CollisionCounter {
 // in memory (the tables are most of a pool: 150 x 2 bytes per token against a 272-byte bf16 row)
 // and half the cache lines a lookup walks. An append only touches the last segment.
 constexpr int64_t kSegmentTokens = int64_t{1} << 16;
+// Alignment of a pool's rows: rows of a multiple of 64 bytes then start on cache lines.
+constexpr size_t kRowAlign = 64;
+
+// std::allocator for the pool rows and table ids, on kRowAlign-byte boundaries (malloc gives 16:
+// a large block sits 16 bytes past a page start, and a 256-byte row would then touch five lines). On
+// Linux, blocks of 2 MiB and more are fresh 2 MiB-aligned mappings advised as huge pages (THP
+// "madvise" or "always"): the gather touches a random row of a GB-sized pool per candidate and the
+// lookup a random bucket of each table, and with 4 KiB pages nearly every one is a TLB miss as
+// well as a cache miss. (malloc would hand
+// back heap memory already faulted in 4 KiB pages, which the advice does not convert.)
+// PIGJAX_HUGE_PAGES=0 in the environment leaves the huge-page advice out (to measure it).
+inline bool HugePagesWanted() {
+  static const bool wanted = [] {
+    const char* e = std::getenv("PIGJAX_HUGE_PAGES");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return wanted;
+}
+
+template <typename T>
+struct RowAllocator {
+  using value_type = T;
+  static constexpr size_t kHuge = size_t{2} << 20;
+  RowAllocator() = default;
+  template <typename U>
+  RowAllocator(const RowAllocator<U>&) {}
+  static size_t RoundUp(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+#if defined(__linux__)
+    if (bytes >= kHuge) {
+      const size_t size = RoundUp(bytes, kHuge);
+      char* raw = static_cast<char*>(mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE,
+                                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+      if (raw == MAP_FAILED) throw std::bad_alloc();
+      char* p = reinterpret_cast<char*>(RoundUp(reinterpret_cast<uintptr_t>(raw), kHuge));
+      if (p > raw) munmap(raw, p - raw);
+      if (raw + kHuge > p) munmap(p + size, raw + kHuge - p);
+      if (HugePagesWanted()) madvise(p, size, MADV_HUGEPAGE);  // advice: no THP, no effect
+      return reinterpret_cast<T*>(p);
+    }
+#endif
+    return static_cast<T*>(::operator new(bytes, std::align_val_t(kRowAlign)));
+  }
+  void deallocate(T* p, size_t n) {
+    const size_t bytes = n * sizeof(T);
+#if defined(__linux__)
+    if (bytes >= kHuge) {
+      munmap(p, RoundUp(bytes, kHuge));
+      return;
+    }
+#endif
+    ::operator delete(p, std::align_val_t(kRowAlign));
+  }
+  template <typename U>
+  bool operator==(const RowAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const RowAllocator<U>&) const { return false; }
+};
+
 struct TableSegment {
-  std::vector<int32_t> offsets;            // [L, 2^K + 1]: bucket starts per table
-  std::vector<std::vector<uint16_t>> ids;  // [L][segment tokens]: ids - segment start, by bucket
+  std::vector<int32_t> offsets;  // [L, 2^K + 1]: bucket starts per table
+  std::vector<uint16_t, RowAllocator<uint16_t>> ids;  // [L, stride]: ids - segment start, by bucket
+  int64_t stride = 0;            // ids room per table (grown for all tables at once)
+  const uint16_t* table(int64_t t) const { return ids.data() + t * stride; }
+  uint16_t* table(int64_t t) { return ids.data() + t * stride; }
 };
 
 // Adds 1 to the count of each of ids[0, len), relative to `count`.
@@ -616,14 +684,14 @@ inline void CountSegment(const TableSegment& seg, int64_t seg_tokens, const int3
       end[t] = off[1];
     }
     for (int t = 0; t < std::min(nt, kAhead); ++t) {
-      PrefetchBucket(seg.ids[t0 + t].data(), begin[t], end[t]);
+      PrefetchBucket(seg.table(t0 + t), begin[t], end[t]);
     }
     int64_t pos = 0;
     for (int t = 0; t < nt; ++t) {
       if (t + kAhead < nt) {
-        PrefetchBucket(seg.ids[t0 + t + kAhead].data(), begin[t + kAhead], end[t + kAhead]);
+        PrefetchBucket(seg.table(t0 + t + kAhead), begin[t + kAhead], end[t + kAhead]);
       }
-      const uint16_t* ids = seg.ids[t0 + t].data() + begin[t];
+      const uint16_t* ids = seg.table(t0 + t) + begin[t];
       const int64_t len = end[t] - begin[t];
       if (pos + len > kWalk) {
         CountIds(walk, pos, count);
@@ -660,22 +728,21 @@ inline int64_t CollectCandidates(const std::vector<TableSegment>& segments, cons
 // ---------------------------------------------------------------------------------------------
 // Importance-weighted attention over the candidates (steps 6-8).
 
-// One pool token is one row: a header (|k - mu|, the K and V scales), then its K and V
-// (DESIGN.md section 2). A candidate is then one contiguous gather instead of three (K row, V
-// row, norm), which the hardware's adjacent-line prefetch and DRAM pages favour. Scales are 1
-// for float32 and bfloat16 rows; int8 rows hold round(x / scale), scale = max |x| / 127.
-struct RowHeader {
-  float norm, k_scale, v_scale, pad;
-};
-constexpr int64_t kRowHeaderBytes = sizeof(RowHeader);
+// One pool token is one row: its K then its V (DESIGN.md section 2), a candidate being one
+// contiguous gather. Rows hold nothing else: at head_dim 64 a bfloat16 row is 256 bytes, four
+// whole cache lines of a 64-byte-aligned pool (a 16-byte header of |k - mu| and the scales made
+// it 272 bytes, five lines: the gather is bound by lines in flight, not by bytes). |k - mu| is
+// recomputed from the row while the dot product reads it. int8 rows hold round(x / scale),
+// scale = max |x| / 127, with the K and V scales of row i in a side array (scales[2i], [2i+1]);
+// float32 and bfloat16 rows have no scales (1).
 inline int64_t RowBytes(int64_t d, int64_t elem_bytes) {
-  return (kRowHeaderBytes + 2 * d * elem_bytes + 15) / 16 * 16;  // header floats stay aligned
+  return (2 * d * elem_bytes + 15) / 16 * 16;
 }
-
 struct PoolView {
-  const char* rows;   // [n] rows of row_bytes: RowHeader, K [D] of T, V [D] of T
+  const char* rows;     // [n] rows of row_bytes: K [D] of T, V [D] of T
   int64_t row_bytes;
-  const float* mu;    // [D]
+  const float* scales;  // int8 rows: [n, 2] K and V scales; null for float rows (scale 1)
+  const float* mu;      // [D]
   int64_t n;
 };
 
@@ -706,6 +773,74 @@ inline int64_t PrefetchAhead() {
   return ahead;
 }
 
+namespace scalar {
+// *qk = k_scale * (q . k) and *norm = |k_scale * k - mu| of one row's key k.
+template <typename T>
+void DotNorm(const float* q, const float* mu, const T* k, int64_t d, float k_scale, float* qk,
+             float* norm) {
+  float dot = 0.f, nn = 0.f;
+  for (int64_t e = 0; e < d; ++e) {
+    const float x = ToF32(k[e]);
+    dot += q[e] * x;
+    const float c = x * k_scale - mu[e];
+    nn += c * c;
+  }
+  *qk = k_scale * dot;
+  *norm = std::sqrt(nn);
+}
+}  // namespace scalar
+
+#ifdef PIGJAX_X86
+namespace avx2 {
+#define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
+// The score phase's gather, for d % 8 == 0: qk[j] = k_scale * (q . k) and norm[j] =
+// |k_scale * k - mu| of candidate cc[j]'s key, both from one pass over the row, which is
+// prefetched `ahead` candidates early (while j + ahead < avail, the candidates left in cc).
+template <typename T>
+PIGJAX_AVX2 void GatherDotNorms(const float* q, int64_t d, const PoolView& pool,
+                                const int32_t* cc, int64_t nc, int64_t avail, int64_t ahead,
+                                float* qk, float* norm) {
+  const char* rows = pool.rows;
+  const int64_t rb = pool.row_bytes;
+  const float* mu = pool.mu;
+  for (int64_t j = 0; j < nc; ++j) {
+    if (j + ahead < avail) {
+      PrefetchLines(rows + int64_t{cc[j + ahead]} * rb, rb);
+      if (pool.scales) __builtin_prefetch(pool.scales + 2 * int64_t{cc[j + ahead]}, 0, 3);
+    }
+    const int64_t i = cc[j];
+    const T* k = reinterpret_cast<const T*>(rows + i * rb);
+    const float ks = pool.scales ? pool.scales[2 * i] : 1.f;
+    const __m256 vks = Set(ks);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, n0 = a0, n1 = a0;
+    int64_t e = 0;
+    for (; e + 16 <= d; e += 16) {
+      const __m256 x0 = Load8(k + e), x1 = Load8(k + e + 8);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), x1, a1);
+      const __m256 c0 = _mm256_fmsub_ps(x0, vks, _mm256_loadu_ps(mu + e));
+      const __m256 c1 = _mm256_fmsub_ps(x1, vks, _mm256_loadu_ps(mu + e + 8));
+      n0 = _mm256_fmadd_ps(c0, c0, n0);
+      n1 = _mm256_fmadd_ps(c1, c1, n1);
+    }
+    if (e < d) {  // d % 16 == 8
+      const __m256 x0 = Load8(k + e);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x0, a0);
+      const __m256 c0 = _mm256_fmsub_ps(x0, vks, _mm256_loadu_ps(mu + e));
+      n0 = _mm256_fmadd_ps(c0, c0, n0);
+    }
+    // Both horizontal sums in one tree: lanes (dot, norm^2, dot, norm^2).
+    const __m256 h = _mm256_hadd_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(n0, n1));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    t = _mm_hadd_ps(t, t);
+    qk[j] = ks * _mm_cvtss_f32(t);
+    norm[j] = std::sqrt(_mm_cvtss_f32(_mm_movehdup_ps(t)));
+  }
+}
+#undef PIGJAX_AVX2
+}  // namespace avx2
+#endif  // PIGJAX_X86
+
 // Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query: o[D] holds
 // sum_c w_c v_c with w_c = exp(s_c - m), z = sum_c w_c, m the largest score so far (start from
 // o = 0, z = 0, m = -inf). `scratch`: >= kAttentionScratch floats. Raw keys in the logits
@@ -719,8 +854,7 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
   if (count == 0) return;  // (an empty pool has no mean key to read)
   const char* rows = pool.rows;
   const int64_t rb = pool.row_bytes, ahead_n = PrefetchAhead();
-  auto header = [&](int64_t i) { return reinterpret_cast<const RowHeader*>(rows + i * rb); };
-  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb + kRowHeaderBytes); };
+  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb); };
   const ScoreParams params{ops.Dot(q, pool.mu, d), std::sqrt(ops.Dot(q, q, d)),
                            1.f / std::sqrt(static_cast<float>(d))};
   float* s = scratch;              // [kChunk]: q.k, then scores, then weights
@@ -732,11 +866,17 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
     const int64_t nc = std::min(kChunk, count - c0);
     const int32_t* cc = cand + c0;
     const uint64_t t0 = split_ns ? NowNsKernel() : 0;
-    for (int64_t j = 0; j < nc; ++j) {
-      if (c0 + j + ahead_n < count) PrefetchLines(rows + cc[j + ahead_n] * rb, rb);
-      const RowHeader* h = header(cc[j]);
-      s[j] = h->k_scale * ops.Dot(q, key(cc[j]), d);  // (x 1 for float rows: exact)
-      norm[j] = h->norm;
+#ifdef PIGJAX_X86
+    if (vectorized) {
+      avx2::GatherDotNorms<T>(q, d, pool, cc, nc, count - c0, ahead_n, s, norm);
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < nc; ++j) {
+        if (c0 + j + ahead_n < count) PrefetchLines(rows + cc[j + ahead_n] * rb, rb);
+        const float ks = pool.scales ? pool.scales[2 * int64_t{cc[j]}] : 1.f;
+        scalar::DotNorm(q, pool.mu, key(cc[j]), d, ks, &s[j], &norm[j]);
+      }
     }
     const float mc = ops.scores(s, norm, nc, params, log_u, s);
     const uint64_t t1 = split_ns ? NowNsKernel() : 0;
@@ -749,7 +889,9 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
       m = mc;
     }
     z += ops.exp_sum(s, nc, m);
-    for (int64_t j = 0; j < nc; ++j) s[j] *= header(cc[j])->v_scale;
+    if (pool.scales) {
+      for (int64_t j = 0; j < nc; ++j) s[j] *= pool.scales[2 * int64_t{cc[j]} + 1];
+    }
 #ifdef PIGJAX_X86
     if (vectorized) {
       avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);

@@ -443,8 +443,7 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
                      float& m, float& z) {
   const char* rows = pool.rows;
   const int64_t rb = pool.row_bytes, ahead_n = PrefetchAhead();
-  auto header = [&](int64_t i) { return reinterpret_cast<const RowHeader*>(rows + i * rb); };
-  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb + kRowHeaderBytes); };
+  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb); };
   float* s = scratch;  // [kChunk]
   [[maybe_unused]] const bool vectorized = std::strcmp(ops.isa, "avx2") == 0 && d % 8 == 0;
   for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
@@ -454,7 +453,8 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
       const int64_t c = c0 + j;
       if (c + ahead_n < count) PrefetchLines(rows + cand[c + ahead_n] * rb, rb);
       const int64_t i = cand[c];
-      s[j] = header(i)->k_scale * ops.Dot(q, key(i), d) * scale;
+      const float k_scale = pool.scales ? pool.scales[2 * i] : 1.f;
+      s[j] = k_scale * ops.Dot(q, key(i), d) * scale;
       mc = std::max(mc, s[j]);
     }
     if (mc > m) {
@@ -467,7 +467,9 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
     }
     z += ops.exp_sum(s, nc, m);
     const int32_t* cc = cand + c0;
-    for (int64_t j = 0; j < nc; ++j) s[j] *= header(cc[j])->v_scale;
+    if (pool.scales) {
+      for (int64_t j = 0; j < nc; ++j) s[j] *= pool.scales[2 * int64_t{cc[j]} + 1];
+    }
 #ifdef PIGJAX_X86
     if (vectorized) {  // the weighted V sum in registers, as AccumulateAttention
       avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);

@@ -28,7 +28,8 @@
 
 namespace pigjax {
 
-// Host K/V storage. kI8: int8 with one float scale per K row and per V row (in the row header).
+// Host K/V storage. kI8: int8 with one float scale per K row and per V row (in a side array of
+// the pool).
 enum class DType { kF32, kBf16, kI8 };
 
 inline const char* DTypeName(DType t) {
@@ -156,8 +157,8 @@ inline uint64_t EstimateBytes(const StoreConfig& c) {
 // One (layer, slot, kv head) pool. Buffers grow geometrically up to the capacity.
 struct HeadPool {
   int64_t n = 0;
-  std::vector<char> rows;                 // [n] rows: RowHeader (|k_i - mu| from the stored
-                                          // key, scales), K [D], V [D] of the store dtype
+  std::vector<char, RowAllocator<char>> rows;  // [n] rows: K [D], V [D] of the store dtype
+  std::vector<float> scales;              // int8 rows only: [n, 2] K and V scales
   std::vector<float> mu;                  // [D]
   std::vector<TableSegment> segments;     // the LSH tables, a segment per 2^16 tokens
   // Proxy estimator only (then there are no table segments): the index and its statistics, set
@@ -168,11 +169,11 @@ struct HeadPool {
   std::vector<double> v_sum;              // [D]
 
   uint64_t Bytes() const {
-    uint64_t b = rows.capacity() + 4 * mu.capacity() + codes.capacity() +
+    uint64_t b = rows.capacity() + 4 * (scales.capacity() + mu.capacity()) + codes.capacity() +
                  4 * (lo.capacity() + step.capacity()) + 8 * v_sum.capacity();
     for (const auto& seg : segments) {
       b += 4 * seg.offsets.capacity();
-      for (const auto& t : seg.ids) b += 2 * t.capacity();
+      b += 2 * seg.ids.capacity();
     }
     return b;
   }
@@ -194,11 +195,12 @@ inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out) {
   const uint64_t cap = c.capacity, d = c.head_dim, tables = c.num_tables;
   const uint64_t buckets = (uint64_t{1} << c.num_bits) + 1;
   const uint64_t segments = (cap + kSegmentTokens - 1) / kSegmentTokens;
-  // Per (layer, slot, kv head): rows of header (|k~|, scales) + K + V; mu (f32); per table
-  // segment and table CSR offsets, and 16-bit ids. RowBytes cannot overflow: head_dim < 2^31 and
-  // elements are <= 4 bytes.
+  // Per (layer, slot, kv head): rows of K + V (and two f32 scales per int8 row); mu (f32); per
+  // table segment and table CSR offsets, and 16-bit ids. RowBytes cannot overflow: head_dim <
+  // 2^31 and elements are <= 4 bytes.
   const uint64_t row_bytes = static_cast<uint64_t>(RowBytes(int64_t{c.head_dim},
-                                                            DTypeSize(c.dtype)));
+                                                            DTypeSize(c.dtype))) +
+                             (c.dtype == DType::kI8 ? 8 : 0);
   const uint64_t index = c.estimator == Estimator::kProxy
                              ? add(mul(cap, uint64_t(ProxyLayout(c.proxy_bits, c.head_dim).bytes)),
                                    d * 16)
@@ -259,7 +261,7 @@ struct AttendArgs {
 // score (gather K rows, q.k, log u), softmax (exp, gather V rows, accumulate). The proxy
 // estimator: lookup = the index scan, score = the top-k selection and tail sum, softmax = the
 // exact attention over the selected rows. Bytes are what
-// the kernel must read: ids walked, and per candidate its K and V rows and its norm.
+// the kernel must read: ids walked, and per candidate its K and V row (and an int8 row's scales).
 struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
@@ -447,6 +449,7 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
   const int64_t n0 = p.n, n1 = n0 + len, limit = cfg_.capacity;
   const int64_t rb = RowBytes(d, sizeof(T));
   GrowTo(p.rows, n1 * rb, limit * rb);
+  if constexpr (std::is_same_v<T, int8_t>) GrowTo(p.scales, 2 * n1, 2 * limit);
   if (cfg_.estimator == Estimator::kProxy) {
     // The index was centred on the first insert's mu: later keys must be centred on it too.
     if (n0 == 0) p.mu.assign(a.mu + (b * hkv + kvh) * d, a.mu + (b * hkv + kvh + 1) * d);
@@ -459,11 +462,18 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
       TableSegment& seg = p.segments[s];
       if (seg.offsets.empty()) {
         seg.offsets.assign(size_t(cfg_.num_tables) * ((size_t{1} << cfg_.num_bits) + 1), 0);
-        seg.ids.resize(cfg_.num_tables);
       }
       const int64_t first = s * kSegmentTokens;
-      for (auto& ids : seg.ids) {
-        GrowTo(ids, std::min(n1 - first, kSegmentTokens), std::min(limit - first, kSegmentTokens));
+      const int64_t need = std::min(n1 - first, kSegmentTokens);
+      if (need > seg.stride) {  // room for every table at once, geometrically
+        const int64_t room = std::min(std::min(limit - first, kSegmentTokens),
+                                      std::max(need, 2 * seg.stride));
+        decltype(seg.ids) grown(size_t(cfg_.num_tables) * room);
+        for (int64_t t = 0; t < cfg_.num_tables; ++t) {
+          std::copy(seg.table(t), seg.table(t) + seg.stride, grown.data() + t * room);
+        }
+        seg.ids.swap(grown);
+        seg.stride = room;
       }
     }
   }
@@ -492,20 +502,16 @@ void Store::CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p,
     }
   };
   for (int64_t j = 0; j < len; ++j) {
-    char* row = p.rows.data() + (n0 + j) * rb;
-    T* kr = reinterpret_cast<T*>(row + kRowHeaderBytes);
+    T* kr = reinterpret_cast<T*>(p.rows.data() + (n0 + j) * rb);
     for (int64_t e = 0; e < d; ++e) {
       kf[e] = read(a.k, a.k_dtype, src0 + j * d + e);
       vf[e] = read(a.v, a.v_dtype, src0 + j * d + e);
     }
-    RowHeader h{0.f, put(kf.data(), kr), put(vf.data(), kr + d), 0.f};
-    float nn = 0.f;
-    for (int64_t e = 0; e < d; ++e) {
-      const float c = ToF32(kr[e]) * h.k_scale - p.mu[e];
-      nn += c * c;
+    const float k_scale = put(kf.data(), kr), v_scale = put(vf.data(), kr + d);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      p.scales[2 * (n0 + j)] = k_scale;
+      p.scales[2 * (n0 + j) + 1] = v_scale;
     }
-    h.norm = std::sqrt(nn);
-    std::memcpy(row, &h, sizeof(h));
   }
 }
 
@@ -523,7 +529,7 @@ inline void Store::AppendToTable(const InsertArgs& a, int64_t b, int64_t kvh, in
     const int64_t run = std::min(len - j0, kSegmentTokens - first);
     TableSegment& seg = p.segments[seg_index];
     int32_t* off = seg.offsets.data() + t * (nb + 1);
-    uint16_t* ids = seg.ids[t].data();
+    uint16_t* ids = seg.table(t);
     const int32_t* codes = a.codes + ((b * cfg_.num_kv_heads + kvh) * tt + j0) * nt + t;
     std::fill(cnt, cnt + nb + 1, 0);
     for (int64_t j = 0; j < run; ++j) ++cnt[codes[j * nt]];
@@ -674,7 +680,8 @@ inline std::string Store::Insert(const InsertArgs& a) {
   }
 
   const uint64_t call_t0 = profiling_ ? NowNs() : 0;
-  // Pass 1, per (row, kv head): copy K/V, norms, mean; allocate. Pass 2, per table: CSR append.
+  // Pass 1, per (row, kv head): copy K/V (int8: scales), mean; allocate. Pass 2, per table: CSR
+  // append.
   // Pools are only marked longer once both passes succeeded.
   const int64_t hkv = c.num_kv_heads;
   std::vector<int64_t> n0(bsz);
@@ -813,7 +820,8 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.prof.heads += 1;
       s.prof.ids_walked += walked;
       s.prof.candidates += count;
-      s.prof.bytes += walked * 2 + count * RowBytes(d, DTypeSize(c.dtype));
+      s.prof.bytes += walked * 2 +
+                      count * (RowBytes(d, DTypeSize(c.dtype)) + (p.scales.empty() ? 0 : 8));
       for (int64_t j = 0; j < count; ++j) {
         s.prof.candidate_bins[int64_t{cand[j]} * Profile::kBins / p.n] += 1;
       }
@@ -825,7 +833,8 @@ inline std::string Store::Attend(const AttendArgs& a) {
   auto accumulate = [&](int64_t i, Scratch& s, const float* q, const int32_t* cand, int64_t count,
                         float* o, float& m, float& z) {
     HeadPool& p = pool_of(i);
-    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)), p.mu.data(), p.n};
+    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)),
+                        p.scales.empty() ? nullptr : p.scales.data(), p.mu.data(), p.n};
     uint64_t split_ns[2] = {0, 0};
     uint64_t* sp = prof ? split_ns : nullptr;
     if (c.dtype == DType::kF32) {

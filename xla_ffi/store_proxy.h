@@ -183,7 +183,8 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
   ParallelFor(np, [&](int64_t j, int w) {
     const Piece& pc = pieces_[j];
     const HeadPool& p = pool_of(pc.item);
-    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)), p.mu.data(), p.n};
+    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)),
+                        p.scales.empty() ? nullptr : p.scales.data(), p.mu.data(), p.n};
     const float* q = item_q_.data() + pc.item * d;
     const int32_t* cand = item_cand_[pc.item].data() + pc.begin;
     float* o = piece_o_.data() + j * d;
