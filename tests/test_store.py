@@ -367,7 +367,7 @@ def test_reset_num_tokens_memory():
       _insert_attend(s, d, jnp.arange(2), layer=layer)
     assert [s.num_tokens(l, b) for l in (0, 1) for b in (0, 1)] == [600, 200, 600, 200]
     full = s.memory_bytes()
-    # K and V (f32) of 1600 tokens x 2 heads, plus norms and tables.
+    # K and V (f32) of 1600 tokens x 2 heads, plus the tables.
     assert 1600 * K * D * 4 * 2 < full <= est
     s.reset(0)
     assert [s.num_tokens(l, b) for l in (0, 1) for b in (0, 1)] == [0, 200, 0, 200]
