@@ -550,19 +550,19 @@ struct CollisionCounter {
 
 // The tables of a pool come in segments of kSegmentTokens consecutive tokens, each with its own
 // bucket offsets, so that a token id within its segment fits 16 bits: half the bytes of int32 ids
-// in memory (the tables are most of a pool: 150 x 2 bytes per token against a 272-byte bf16 row)
+// in memory (the tables are most of a pool: 150 x 2 bytes per token against a 256-byte bf16 row)
 // and half the cache lines a lookup walks. An append only touches the last segment.
 constexpr int64_t kSegmentTokens = int64_t{1} << 16;
 // Alignment of a pool's rows: rows of a multiple of 64 bytes then start on cache lines.
 constexpr size_t kRowAlign = 64;
 
-// std::allocator for the pool rows and table ids, on kRowAlign-byte boundaries (malloc gives 16:
-// a large block sits 16 bytes past a page start, and a 256-byte row would then touch five lines). On
-// Linux, blocks of 2 MiB and more are fresh 2 MiB-aligned mappings advised as huge pages (THP
-// "madvise" or "always"): the gather touches a random row of a GB-sized pool per candidate and the
-// lookup a random bucket of each table, and with 4 KiB pages nearly every one is a TLB miss as
-// well as a cache miss. (malloc would hand
-// back heap memory already faulted in 4 KiB pages, which the advice does not convert.)
+// std::allocator for the pool rows and table ids, on kRowAlign-byte boundaries (malloc gives
+// 16: a large block sits 16 bytes past a page start, and a 256-byte row would then touch five
+// lines). On Linux, blocks of 2 MiB and more are fresh 2 MiB-aligned mappings advised as huge
+// pages (THP "madvise" or "always"): the gather touches a random row of a GB-sized pool per
+// candidate and the lookup a random bucket of each table, and with 4 KiB pages nearly every one
+// is a TLB miss as well as a cache miss. (malloc would hand back heap memory already faulted in
+// 4 KiB pages, which the advice does not convert.)
 // PIGJAX_HUGE_PAGES=0 in the environment leaves the huge-page advice out (to measure it).
 inline bool HugePagesWanted() {
   static const bool wanted = [] {
