@@ -354,6 +354,27 @@ def test_pool_across_table_segments():
   np.testing.assert_allclose(o, ro, rtol=1e-4, atol=1e-4)
 
 
+def test_profile_bins_every_candidate_by_its_pool_slice():
+  """With every code equal to the query's, all n pool tokens are candidates, so the profile's 16
+  bins must hold exactly the ids in [ceil(b n / 16), ceil((b + 1) n / 16)) each, for an n that 16
+  does not divide."""
+  from pigjax import bench
+  num_bits, num_tables, K, G, T = 4, 6, 1, 2, 1003
+  d = _make(21, 1, K, G, T, [T], num_bits, num_tables, oracle=False)
+  codes = jnp.full_like(d["codes"], 5)
+  qcodes = jnp.full_like(d["qcodes"], 5)
+  with _store(1, K, num_bits, num_tables, T) as s:
+    zero = jnp.zeros(1, jnp.int32)
+    n = store_insert(s.handle, 0, zero, d["k"], d["v"], codes, d["lengths"], d["mu"])
+    bench.set_profiling(s, True)
+    _, _, count = jax.block_until_ready(store_attend(s.handle, 0, zero, d["q"], qcodes, n))
+    prof = bench.kernel_profile(s)
+  np.testing.assert_array_equal(count, [[T] * G])
+  lower = [-(-b * T // 16) for b in range(17)]
+  want = [G * (lower[b + 1] - lower[b]) for b in range(16)]
+  assert list(prof["candidate_bins"]) == want and sum(want) == G * T
+
+
 def test_reset_num_tokens_memory():
   num_bits, num_tables, K = 6, 12, 2
   d = _make(9, 2, K, 1, 600, [600, 200], num_bits, num_tables, oracle=False)

@@ -822,8 +822,13 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.prof.candidates += count;
       s.prof.bytes += walked * 2 +
                       count * (RowBytes(d, DTypeSize(c.dtype)) + (p.scales.empty() ? 0 : 8));
+      // cand is ascending: walk the bins' lower bounds (ceil(b n / kBins)) instead of one
+      // 64-bit division per candidate (1.7 M per profiled step at 128k, inside the attend's clock).
+      int64_t bin = 0;
+      auto lower = [&](int64_t b) { return (b * p.n + Profile::kBins - 1) / Profile::kBins; };
       for (int64_t j = 0; j < count; ++j) {
-        s.prof.candidate_bins[int64_t{cand[j]} * Profile::kBins / p.n] += 1;
+        while (bin + 1 < Profile::kBins && cand[j] >= lower(bin + 1)) ++bin;
+        s.prof.candidate_bins[bin] += 1;
       }
     }
     a.count[i] = static_cast<int32_t>(count);

@@ -166,7 +166,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
       s.prof.score_ns += NowNs() - t0;  // the selection (magicpig: scoring)
       s.prof.heads += 1;
       s.prof.candidates += count;
-      s.prof.bytes += count * RowBytes(d, DTypeSize(c.dtype));
+      s.prof.bytes += count * (RowBytes(d, DTypeSize(c.dtype)) + (p.scales.empty() ? 0 : 8));
     }
   }, inline_only);
 
