@@ -744,6 +744,14 @@ struct PoolView {
   const float* scales;  // int8 rows: [n, 2] K and V scales; null for float rows (scale 1)
   const float* mu;      // [D]
   int64_t n;
+
+  float k_scale(int64_t i) const { return scales ? scales[2 * i] : 1.f; }
+  // w[j] *= the V scale of row cc[j], for j < nc (nothing for float rows).
+  void ScaleByV(const int32_t* cc, int64_t nc, float* w) const {
+    if (scales) {
+      for (int64_t j = 0; j < nc; ++j) w[j] *= scales[2 * int64_t{cc[j]} + 1];
+    }
+  }
 };
 
 // Candidates are processed in chunks: gather K rows and score the chunk (vectorised log u),
@@ -810,7 +818,7 @@ PIGJAX_AVX2 void GatherDotNorms(const float* q, int64_t d, const PoolView& pool,
     }
     const int64_t i = cc[j];
     const T* k = reinterpret_cast<const T*>(rows + i * rb);
-    const float ks = pool.scales ? pool.scales[2 * i] : 1.f;
+    const float ks = pool.k_scale(i);
     const __m256 vks = Set(ks);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, n0 = a0, n1 = a0;
     int64_t e = 0;
@@ -874,8 +882,7 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
     {
       for (int64_t j = 0; j < nc; ++j) {
         if (c0 + j + ahead_n < count) PrefetchLines(rows + cc[j + ahead_n] * rb, rb);
-        const float ks = pool.scales ? pool.scales[2 * int64_t{cc[j]}] : 1.f;
-        scalar::DotNorm(q, pool.mu, key(cc[j]), d, ks, &s[j], &norm[j]);
+        scalar::DotNorm(q, pool.mu, key(cc[j]), d, pool.k_scale(cc[j]), &s[j], &norm[j]);
       }
     }
     const float mc = ops.scores(s, norm, nc, params, log_u, s);
@@ -889,9 +896,7 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
       m = mc;
     }
     z += ops.exp_sum(s, nc, m);
-    if (pool.scales) {
-      for (int64_t j = 0; j < nc; ++j) s[j] *= pool.scales[2 * int64_t{cc[j]} + 1];
-    }
+    pool.ScaleByV(cc, nc, s);
 #ifdef PIGJAX_X86
     if (vectorized) {
       avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);

@@ -453,8 +453,7 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
       const int64_t c = c0 + j;
       if (c + ahead_n < count) PrefetchLines(rows + cand[c + ahead_n] * rb, rb);
       const int64_t i = cand[c];
-      const float k_scale = pool.scales ? pool.scales[2 * i] : 1.f;
-      s[j] = k_scale * ops.Dot(q, key(i), d) * scale;
+      s[j] = pool.k_scale(i) * ops.Dot(q, key(i), d) * scale;
       mc = std::max(mc, s[j]);
     }
     if (mc > m) {
@@ -467,9 +466,7 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
     }
     z += ops.exp_sum(s, nc, m);
     const int32_t* cc = cand + c0;
-    if (pool.scales) {
-      for (int64_t j = 0; j < nc; ++j) s[j] *= pool.scales[2 * int64_t{cc[j]} + 1];
-    }
+    pool.ScaleByV(cc, nc, s);
 #ifdef PIGJAX_X86
     if (vectorized) {  // the weighted V sum in registers, as AccumulateAttention
       avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);

@@ -36,6 +36,10 @@ inline const char* DTypeName(DType t) {
   return t == DType::kF32 ? "float32" : t == DType::kBf16 ? "bfloat16" : "int8";
 }
 inline int64_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : t == DType::kBf16 ? 2 : 1; }
+// Host bytes of one pool token's K/V: its row, and an int8 row's two f32 scales.
+inline int64_t TokenBytes(int64_t d, DType t) {
+  return RowBytes(d, DTypeSize(t)) + (t == DType::kI8 ? 8 : 0);
+}
 
 template <typename... Args>
 std::string Str(const Args&... args) {
@@ -198,9 +202,7 @@ inline bool CheckedEstimateBytes(const StoreConfig& c, uint64_t* out) {
   // Per (layer, slot, kv head): rows of K + V (and two f32 scales per int8 row); mu (f32); per
   // table segment and table CSR offsets, and 16-bit ids. RowBytes cannot overflow: head_dim <
   // 2^31 and elements are <= 4 bytes.
-  const uint64_t row_bytes = static_cast<uint64_t>(RowBytes(int64_t{c.head_dim},
-                                                            DTypeSize(c.dtype))) +
-                             (c.dtype == DType::kI8 ? 8 : 0);
+  const uint64_t row_bytes = static_cast<uint64_t>(TokenBytes(int64_t{c.head_dim}, c.dtype));
   const uint64_t index = c.estimator == Estimator::kProxy
                              ? add(mul(cap, uint64_t(ProxyLayout(c.proxy_bits, c.head_dim).bytes)),
                                    d * 16)
@@ -404,6 +406,10 @@ class Store {
 
   HeadPool& Pool(int64_t layer, int64_t slot, int64_t kvh) {
     return pools_[(size_t(layer) * cfg_.num_slots + slot) * cfg_.num_kv_heads + kvh];
+  }
+  PoolView View(const HeadPool& p) const {
+    return PoolView{p.rows.data(), RowBytes(cfg_.head_dim, DTypeSize(cfg_.dtype)),
+                    p.scales.empty() ? nullptr : p.scales.data(), p.mu.data(), p.n};
   }
   template <typename T>
   void CopyTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
@@ -820,8 +826,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
       s.prof.heads += 1;
       s.prof.ids_walked += walked;
       s.prof.candidates += count;
-      s.prof.bytes += walked * 2 +
-                      count * (RowBytes(d, DTypeSize(c.dtype)) + (p.scales.empty() ? 0 : 8));
+      s.prof.bytes += walked * 2 + count * TokenBytes(d, c.dtype);
       // cand is ascending: walk the bins' lower bounds (ceil(b n / kBins)) instead of one
       // 64-bit division per candidate (1.7 M per profiled step at 128k, inside the attend's clock).
       int64_t bin = 0;
@@ -838,8 +843,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
   auto accumulate = [&](int64_t i, Scratch& s, const float* q, const int32_t* cand, int64_t count,
                         float* o, float& m, float& z) {
     HeadPool& p = pool_of(i);
-    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)),
-                        p.scales.empty() ? nullptr : p.scales.data(), p.mu.data(), p.n};
+    const PoolView view = View(p);
     uint64_t split_ns[2] = {0, 0};
     uint64_t* sp = prof ? split_ns : nullptr;
     if (c.dtype == DType::kF32) {

@@ -166,7 +166,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
       s.prof.score_ns += NowNs() - t0;  // the selection (magicpig: scoring)
       s.prof.heads += 1;
       s.prof.candidates += count;
-      s.prof.bytes += count * (RowBytes(d, DTypeSize(c.dtype)) + (p.scales.empty() ? 0 : 8));
+      s.prof.bytes += count * TokenBytes(d, c.dtype);
     }
   }, inline_only);
 
@@ -183,8 +183,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
   ParallelFor(np, [&](int64_t j, int w) {
     const Piece& pc = pieces_[j];
     const HeadPool& p = pool_of(pc.item);
-    const PoolView view{p.rows.data(), RowBytes(d, DTypeSize(c.dtype)),
-                        p.scales.empty() ? nullptr : p.scales.data(), p.mu.data(), p.n};
+    const PoolView view = View(p);
     const float* q = item_q_.data() + pc.item * d;
     const int32_t* cand = item_cand_[pc.item].data() + pc.begin;
     float* o = piece_o_.data() + j * d;

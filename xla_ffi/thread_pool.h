@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <exception>
 #include <functional>
-#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
