@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pigjax import _pigjax_ffi, attention, lsh
-from pigjax.config import ModelConfig, SamplingConfig
+from pigjax.config import AttentionConfig, ModelConfig, SamplingConfig
 from pigjax.engine import DenseBackend, Engine
 from pigjax.magicpig import MagicPigBackend, MagicPigCache
 from pigjax.model import apply_rope, rope_tables
@@ -343,7 +343,7 @@ def synthetic_kv(key, batch: int, num_kv_heads: int, n: int, head_dim: int, capa
 def attention_only_steps(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          n: int, batch: int, num_bits: int, num_tables: int, sink: int = 4,
                          window: int = 64, threads: int = 0, seed: int = 0,
-                         store_dtype: str = "bfloat16"):
+                         store_dtype: str = AttentionConfig.store_dtype):
   """Jitted attention-only decode steps over `num_layers` layers of synthetic keys: dense
   (attend over an f32 cache of n tokens) and MagicPIG (exact sink + window part in JAX, the pool
   in a host store, log-sum-exp merge). Returns ({"dense": fn, "magicpig": fn}, store, info)."""

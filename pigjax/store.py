@@ -31,9 +31,10 @@ import numpy as np
 
 from pigjax import _ffi  # noqa: F401  (registers the FFI targets)
 from pigjax import _pigjax_ffi
-from pigjax.config import ESTIMATORS, PROXY_TAILS, STORE_DTYPES
+from pigjax.config import ESTIMATORS, PROXY_TAILS, STORE_DTYPES, AttentionConfig
 
 _INT32_MAX = 2**31 - 1
+_DTYPE = AttentionConfig.store_dtype  # the pool dtype a store gets when none is named
 _FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # Open stores by handle, so the wrappers can check static shapes against a known store early.
@@ -94,8 +95,8 @@ class HostKVStore:
     num_kv_heads, head_dim: attention geometry.
     num_bits, num_tables: K bits per table and L tables of the SimHash codes.
     capacity: most pool tokens per (layer, slot).
-    dtype: K/V storage, one of config.STORE_DTYPES: "bfloat16" (default), "float32" or "int8"
-      (one float32 scale per K row and per V row, `lsh.quantize_int8_rows`). Norms, means and
+    dtype: K/V storage, one of config.STORE_DTYPES: "int8" (default; one float32 scale per K
+      row and per V row, `lsh.quantize_int8_rows`), "bfloat16" or "float32". Norms, means and
       math are float32.
     threads: 0 (default): run on the process's compute pool (all hardware threads, the pool
       the quantized matmuls and the dense decode kernel use, so one set of workers stays awake
@@ -113,7 +114,7 @@ class HostKVStore:
   """
 
   def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-               num_bits: int, num_tables: int, capacity: int, dtype: str = "bfloat16",
+               num_bits: int, num_tables: int, capacity: int, dtype: str = _DTYPE,
                threads: int = 0, estimator: str = "magicpig", proxy_bits: int = 4,
                proxy_fraction: float = 0.03, proxy_tail: str = "mean", verbose: bool = True):
     self.handle = -1
@@ -146,7 +147,7 @@ class HostKVStore:
 
   @staticmethod
   def estimate_bytes(*, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                     num_bits: int, num_tables: int, capacity: int, dtype: str = "bfloat16",
+                     num_bits: int, num_tables: int, capacity: int, dtype: str = _DTYPE,
                      threads: int = 0, estimator: str = "magicpig", proxy_bits: int = 4,
                      proxy_fraction: float = 0.03, proxy_tail: str = "mean") -> int:
     """Worst-case bytes (every pool full, plus per-thread scratch).

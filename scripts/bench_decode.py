@@ -42,7 +42,8 @@ flags.DEFINE_integer("source_tokens", 2048, "Tokens per piece (documents) or of 
                      "and of the real prefill timed for the prefill overhead.")
 flags.DEFINE_string("piece_cache", str(bench_contexts.DEFAULT_CACHE_DIR),
                     "Where prefilled document pieces are cached (git-ignored data/).")
-flags.DEFINE_string("store_dtype", "bfloat16", "MagicPIG host K/V: bfloat16, float32 or int8.")
+flags.DEFINE_string("store_dtype", AttentionConfig.store_dtype,
+                    "MagicPIG host K/V: bfloat16, float32 or int8.")
 flags.DEFINE_enum("cache_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "Dense KV cache (and MagicPIG's exact buffer): auto = the model's float32, "
                   "bfloat16 where that does not fit in memory.")

@@ -26,7 +26,7 @@ _CONTEXT = flags.DEFINE_integer("context", 32768, "Context tokens.")
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed decode steps per method.")
 _DENSE = flags.DEFINE_bool("dense", False, "Also time the dense step, interleaved.")
 _WEIGHTS = flags.DEFINE_string("weights", "gguf", "Config.weights.")
-_STORE_DTYPE = flags.DEFINE_string("store_dtype", "bfloat16", "Host K/V dtype.")
+_STORE_DTYPE = flags.DEFINE_string("store_dtype", AttentionConfig.store_dtype, "Host K/V dtype.")
 _ESTIMATOR = flags.DEFINE_string("estimator", "magicpig", "attention.estimator.")
 _THREADS = flags.DEFINE_integer("threads", 0, "attention.threads: 0 runs the store on the "
                                 "process's compute pool (all cores), N > 0 on its own N threads.")

@@ -44,9 +44,10 @@ def test_recorded_run_samples_every_n_steps(tiny):
   pool0 = 100 - 4 - 16
   assert [s.pool_tokens for s in samples] == [pool0, pool0, pool0 + 4, pool0 + 8, pool0 + 16]
   assert all(0 < s.attended <= 1 for s in samples[1:]) and all(s.store_mb > 0 for s in samples)
-  # Per pool token, 1 sparse layer x 2 KV heads x (a row of bf16 K and V of 16 dims + a 16-bit
-  # id in each of 16 tables).
-  per_token = 1 * 2 * (2 * 16 * 2 + 2 * 16)
+  # Per pool token, 1 sparse layer x 2 KV heads x (a row of int8 K and V of 16 dims, a float32
+  # scale for each row, and a 16-bit id in each of 16 tables).
+  assert tiny.cfg.attention.store_dtype == "int8"
+  per_token = 1 * 2 * (2 * 16 + 2 * 4 + 2 * 16)
   assert [s.pool_mb for s in samples] == [s.pool_tokens * per_token / soak.MB for s in samples]
   # Recording changes neither the tokens nor the run's attended fraction.
   plain = Engine(tiny.cfg, tiny.model, MagicPigBackend(tiny.cfg))
