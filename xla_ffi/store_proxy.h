@@ -207,16 +207,9 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
   int64_t j = 0;
   for (int64_t i = 0; i < items; ++i) {
     float* o = a.o + i * d;
-    std::fill(o, o + d, 0.f);
     const int64_t j0 = j;
-    float m = neg_inf, z = 0.f;
-    for (; j < np && pieces_[j].item == i; ++j) m = std::max(m, piece_mz_[2 * j]);
-    for (int64_t k = j0; k < j; ++k) {
-      const float r = std::exp(piece_mz_[2 * k] - m);
-      z += r * piece_mz_[2 * k + 1];
-      for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
-    }
-    FinishAttention(o, d, m, z, &a.lse[i]);
+    while (j < np && pieces_[j].item == i) ++j;
+    MergePieces(j0, j - j0, o, &a.lse[i]);
     const float lse_rest = item_tail_[i];
     if (lse_rest == neg_inf) continue;
     const HeadPool& p = pool_of(i);
