@@ -4,9 +4,10 @@
 //   g++ -O2 -mavx2 -std=c++17 -pthread -o /tmp/row_reads scripts/row_reads.cc && /tmp/row_reads
 //
 // One 2 GiB buffer on huge pages (as the store's rows). Stream: every byte read in order, by 1
-// and 2 threads. Rows: 1 row in 20 of 256 bytes, at random and in ascending order (as a head's
-// candidates), each read whole (4 or 2 cache lines: a bfloat16 or an int8 row at head_dim 64),
-// with the lines of the row `ahead` rows on prefetched. No arithmetic beyond an add per 32 bytes,
+// and 2 threads. Rows: 1 row in 20, at random and in ascending order (as a head's candidates),
+// each read whole (4 or 2 cache lines: a bfloat16 or an int8 row at head_dim 64), with the lines
+// of the row `ahead` rows on prefetched; int8 rows both 256 bytes apart (the bfloat16 spacing,
+// so only the row size differs) and 128 bytes apart (packed, as the store keeps them). No arithmetic beyond an add per 32 bytes,
 // so this is the gather with its compute taken out. Each configuration draws its own rows, so
 // none finds the previous one's rows in the caches. x86-64 with AVX2 only.
 #include <immintrin.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -28,7 +30,6 @@ double Now() {
 
 constexpr size_t kBytes = size_t{2} << 30;
 constexpr size_t kHuge = size_t{2} << 20;
-constexpr size_t kRowBytes = 256;
 
 // Runs body(thread) on `threads` threads and returns the slowest one's seconds.
 template <typename F>
@@ -73,8 +74,11 @@ int main() {
     std::printf("stream, %d thread(s): %.1f GB/s\n", threads, kBytes / s / 1e9);
   }
 
-  const size_t rows = kBytes / kRowBytes;
-  for (int lines : {4, 2}) {
+  // (lines, bytes between rows): bfloat16 rows; int8 rows spaced as bfloat16 ones; int8 rows
+  // packed as the store packs them.
+  const std::pair<int, size_t> layouts[] = {{4, 256}, {2, 256}, {2, 128}};
+  for (auto [lines, row_bytes] : layouts) {
+    const size_t rows = kBytes / row_bytes;
     for (int threads : {1, 2}) {
       for (int ahead : {8, 16, 32}) {
         std::vector<std::vector<uint32_t>> ids(threads);
@@ -90,10 +94,10 @@ int main() {
           __m256i acc = _mm256_setzero_si256();
           for (size_t j = 0; j < id.size(); ++j) {
             if (j + ahead < id.size()) {
-              const char* q = buf + size_t{id[j + ahead]} * kRowBytes;
+              const char* q = buf + size_t{id[j + ahead]} * row_bytes;
               for (int l = 0; l < lines; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T0);
             }
-            const char* q = buf + size_t{id[j]} * kRowBytes;
+            const char* q = buf + size_t{id[j]} * row_bytes;
             for (int h = 0; h < 2 * lines; ++h) {
               const auto* line = reinterpret_cast<const __m256i*>(q + 32 * h);
               acc = _mm256_add_epi32(acc, _mm256_load_si256(line));
@@ -102,9 +106,9 @@ int main() {
           sink = sink + _mm256_extract_epi32(acc, 0);
         });
         const double n = static_cast<double>(ids[0].size());
-        std::printf("rows of %d lines, %d thread(s), %2d ahead: "
+        std::printf("rows of %d lines %3zu B apart, %d thread(s), %2d ahead: "
                     "%.1f ns per row per thread, %.1f GB/s\n",
-                    lines, threads, ahead, s / n * 1e9, threads * n * 64 * lines / s / 1e9);
+                    lines, row_bytes, threads, ahead, s / n * 1e9, threads * n * 64 * lines / s / 1e9);
       }
     }
   }
