@@ -434,15 +434,13 @@ class Store {
   }
 
   // Attend (see Attend): per query head its f32 query and candidates; the pieces of candidates
-  // and their partial softmax sums (o [D], then m and z); the magicpig attend's first piece and
-  // piece count of each head.
+  // and their partial softmax sums (o [D], then m and z).
   struct Piece {
     int64_t item, begin, end;
   };
   std::vector<std::vector<int32_t>> item_cand_;
   std::vector<float> item_q_, piece_o_, piece_mz_;
   std::vector<Piece> pieces_;
-  std::vector<int64_t> item_first_piece_, item_pieces_;
   // Proxy attend: per query head the scan's int8 weights [padded] and their scale, the bias, its
   // tail's lse, and the proxy scores of every pool token ([items, max pool]); item_w_ is the
   // float weights of one head before rounding [padded].
@@ -875,66 +873,36 @@ inline std::string Store::Attend(const AttendArgs& a) {
     s.prof.softmax_ns += split_ns[1];
   };
 
-  // The candidates of every head are split into pieces of kPieceCandidates, each its own partial
-  // softmax (o, m, z), merged per head by log-sum-exp at the end. Lookups and pieces come from
-  // one queue: a worker takes the next lookup while any is left, then the next piece of the heads
-  // whose lookups are done (in the order they finished). With a barrier between all lookups and
-  // all pieces instead, nine heads on two workers left one idle for a lookup at every call.
-  int64_t max_pieces = 0;
+  // Two phases, so that two workers share nine query heads evenly: all lookups, then the
+  // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
+  // (o, m, z), merged per head by log-sum-exp at the end. (Session 17 measured one queue for
+  // both, so that no worker waits at the barrier for the last lookup: no gain beyond noise on
+  // either VM, BENCHMARKS.md "Session 17".)
+  ParallelFor(items, [&](int64_t i, int w) {
+    lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
+  }, inline_only);
+  pieces_.clear();
   for (int64_t i = 0; i < items; ++i) {
-    max_pieces += (pool_of(i).n + kPieceCandidates - 1) / kPieceCandidates;
-  }
-  try {
-    pieces_.resize(max_pieces);
-    piece_o_.resize(max_pieces * d);
-    piece_mz_.resize(2 * max_pieces);
-    item_first_piece_.resize(items);
-    item_pieces_.resize(items);
-  } catch (const std::bad_alloc&) {
-    return "store_attend: out of host memory for the attend's pieces.";
-  }
-  std::mutex queue_mu;
-  int64_t next_lookup = 0, lookups_done = 0, next_piece = 0, num_pieces = 0;
-  auto drain = [&](int64_t, int w) {
-    Scratch& s = scratch_[w];
-    for (;;) {
-      int64_t i = -1, j = -1;
-      {
-        std::lock_guard<std::mutex> queue(queue_mu);
-        if (next_lookup < items) {
-          i = next_lookup++;
-        } else if (next_piece < num_pieces) {
-          j = next_piece++;
-        } else if (lookups_done == items) {
-          return;
-        }
-      }
-      if (i >= 0) {
-        const int64_t count = lookup(i, s, item_q_.data() + i * d, item_cand_[i].data());
-        std::lock_guard<std::mutex> queue(queue_mu);
-        item_first_piece_[i] = num_pieces;
-        for (int64_t c0 = 0; c0 < count; c0 += kPieceCandidates) {
-          pieces_[num_pieces++] = {i, c0, std::min(count, c0 + kPieceCandidates)};
-        }
-        item_pieces_[i] = num_pieces - item_first_piece_[i];
-        lookups_done += 1;
-      } else if (j >= 0) {
-        const Piece& pc = pieces_[j];
-        float* o = piece_o_.data() + j * d;
-        std::fill(o, o + d, 0.f);
-        float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-        accumulate(pc.item, s, item_q_.data() + pc.item * d,
-                   item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin, o, m, z);
-        piece_mz_[2 * j] = m;
-        piece_mz_[2 * j + 1] = z;
-      } else {
-        std::this_thread::yield();  // the other lookups are still running
-      }
+    for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
+      pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
     }
-  };
-  ParallelFor(workers_.size(), drain, inline_only);
-  for (int64_t i = 0; i < items; ++i) {
-    MergePieces(item_first_piece_[i], item_pieces_[i], a.o + i * d, &a.lse[i]);
+  }
+  const int64_t np = static_cast<int64_t>(pieces_.size());
+  piece_o_.assign(np * d, 0.f);
+  piece_mz_.assign(2 * np, 0.f);
+  ParallelFor(np, [&](int64_t j, int w) {
+    const Piece& pc = pieces_[j];
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,
+               item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin,
+               piece_o_.data() + j * d, m, z);
+    piece_mz_[2 * j] = m;
+    piece_mz_[2 * j + 1] = z;
+  }, inline_only);
+  for (int64_t i = 0, j = 0; i < items; ++i) {
+    const int64_t j0 = j;
+    while (j < np && pieces_[j].item == i) ++j;
+    MergePieces(j0, j - j0, a.o + i * d, &a.lse[i]);
   }
   if (prof) {
     prof_.attend_calls += 1;
