@@ -418,19 +418,23 @@ class Store {
   void IndexTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
   std::string AttendProxy(const AttendArgs& a, bool inline_only);
 
-  // o [D] and *lse of one query head from pieces [first, first + n) of piece_o_ / piece_mz_
-  // (its candidates in order), merged by log-sum-exp in piece order.
-  void MergePieces(int64_t first, int64_t n, float* o, float* lse) const {
-    const int64_t d = cfg_.head_dim;
+  // o [D] and *lse of query head `item` from its pieces, which start at pieces_[first] (pieces_
+  // holds each head's pieces in order, heads in order), merged by log-sum-exp in piece order.
+  // Returns the index of the next head's first piece.
+  int64_t MergePieces(int64_t item, int64_t first, float* o, float* lse) const {
+    const int64_t d = cfg_.head_dim, np = static_cast<int64_t>(pieces_.size());
+    int64_t end = first;
+    while (end < np && pieces_[end].item == item) ++end;
     std::fill(o, o + d, 0.f);
     float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-    for (int64_t k = first; k < first + n; ++k) m = std::max(m, piece_mz_[2 * k]);
-    for (int64_t k = first; k < first + n; ++k) {
+    for (int64_t k = first; k < end; ++k) m = std::max(m, piece_mz_[2 * k]);
+    for (int64_t k = first; k < end; ++k) {
       const float r = std::exp(piece_mz_[2 * k] - m);
       z += r * piece_mz_[2 * k + 1];
       for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
     }
     FinishAttention(o, d, m, z, lse);
+    return end;
   }
 
   // Attend (see Attend): per query head its f32 query and candidates; the pieces of candidates
@@ -899,11 +903,7 @@ inline std::string Store::Attend(const AttendArgs& a) {
     piece_mz_[2 * j] = m;
     piece_mz_[2 * j + 1] = z;
   }, inline_only);
-  for (int64_t i = 0, j = 0; i < items; ++i) {
-    const int64_t j0 = j;
-    while (j < np && pieces_[j].item == i) ++j;
-    MergePieces(j0, j - j0, a.o + i * d, &a.lse[i]);
-  }
+  for (int64_t i = 0, j = 0; i < items; ++i) j = MergePieces(i, j, a.o + i * d, &a.lse[i]);
   if (prof) {
     prof_.attend_calls += 1;
     prof_.attend_ns += NowNs() - call_t0;

@@ -207,9 +207,7 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
   int64_t j = 0;
   for (int64_t i = 0; i < items; ++i) {
     float* o = a.o + i * d;
-    const int64_t j0 = j;
-    while (j < np && pieces_[j].item == i) ++j;
-    MergePieces(j0, j - j0, o, &a.lse[i]);
+    j = MergePieces(i, j, o, &a.lse[i]);
     const float lse_rest = item_tail_[i];
     if (lse_rest == neg_inf) continue;
     const HeadPool& p = pool_of(i);
