@@ -393,7 +393,6 @@ NB_MODULE(_pigjax_ffi, m) {
     d["heads"] = p.heads;
     d["ids_walked"] = p.ids_walked;
     d["candidates"] = p.candidates;
-    d["rows_read"] = p.rows_read;
     nb::list bins;
     for (uint64_t x : p.candidate_bins) bins.append(x);
     d["candidate_bins"] = bins;

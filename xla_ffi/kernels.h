@@ -527,16 +527,26 @@ inline const VecOps& GetVecOps() {
 // ---------------------------------------------------------------------------------------------
 // Candidate collection (step 5).
 
-// Scratch of the lookup. `count`, one per query head, holds a byte per pool token: the number of
-// the query's buckets that hold it. `walk`, one per worker, is a buffer the buckets' ids are first
-// copied into. Copying first lets the bucket reads (a few lines each, at random places of a large
-// table) overlap each other as plain loads, instead of stalling the counting loop one table at a
-// time: in a micro-benchmark at 32k tokens (84 pools of 150 tables, ~13k ids walked per query) a
-// lookup took 31-33 us with the counting done on the tables themselves (two bitsets, once and
-// twice) and 21-22 us copied first, then counted in bytes (4 us of that is the counting; the
-// bitsets' two read-modify-writes per id took twice as long). The counts are zero between
-// queries: the scan for candidates (TakeGroupCollided) clears what it reads.
-constexpr int64_t kWalkIds = int64_t{1} << 15;  // 64 KiB of walked ids: stays in L2
+// Per-worker scratch of the lookup: a byte per pool token counting the query's buckets that hold
+// it, and a buffer the buckets' ids are first copied into. Copying first lets the bucket reads
+// (a few lines each, at random places of a large table) overlap each other as plain loads,
+// instead of stalling the counting loop one table at a time: in a micro-benchmark at 32k tokens
+// (84 pools of 150 tables, ~13k ids walked per query) a lookup took 31-33 us with the counting
+// done on the tables themselves (two bitsets, once and twice) and 21-22 us copied first, then
+// counted in bytes (4 us of that is the counting; the bitsets' two read-modify-writes per id took
+// twice as long). The counts are zero between queries: the final scan clears what it reads.
+struct CollisionCounter {
+  std::vector<uint8_t> count;  // [>= pool size, rounded up to 16], all zero between queries
+  std::vector<uint16_t> walk;  // copied bucket ids of a segment, up to kWalkIds
+
+  static constexpr int64_t kWalkIds = int64_t{1} << 15;  // 64 KiB: stays in L2
+  void Reserve(int64_t n) {
+    const size_t padded = size_t((n + 15) / 16 * 16);
+    if (count.size() < padded) count.resize(padded, 0);
+    if (walk.size() < size_t(kWalkIds)) walk.resize(kWalkIds);
+  }
+  uint64_t Bytes() const { return count.capacity() + 2 * walk.capacity(); }
+};
 
 // The tables of a pool come in segments of kSegmentTokens consecutive tokens, each with its own
 // bucket offsets, so that a token id within its segment fits 16 bits: half the bytes of int32 ids
@@ -616,52 +626,26 @@ inline void CountIds(const uint16_t* ids, int64_t len, uint8_t* count) {
   for (int64_t j = 0; j < len; ++j) count[ids[j]] += 1;
 }
 
-// At most this many query heads share one gather (a bit each in a candidate's head mask). The
-// query heads of a kv head read the same pool: a row that is a candidate of several of them is
-// read once for all (BENCHMARKS.md "Session 18"). A kv head with more query heads than this (MQA)
-// is split into several gathers.
-constexpr int kMaxGatherHeads = 8;
-
-// The candidates of g <= kMaxGatherHeads query heads among pool tokens [begin, end): the ids with
-// count[h][id] >= 2 for some h, ascending, into ids, and for each a mask with bit h set when it is
-// a candidate of head h. Returns how many. begin is a multiple of 16 and end is at most the
-// counts' size (the pool size rounded up to 16; counts past the pool are zero). Clears the counts
-// read. ids and mask need end - begin + 1 entries (the scalar loop writes one past the last).
-inline int64_t TakeGroupCollided(uint8_t* const* count, int g, int64_t begin, int64_t end,
-                                 int32_t* ids, uint8_t* mask) {
+// Writes the ids i < n with count[i] >= 2, ascending, into cand and returns how many; clears
+// count[0, n rounded up to 16). Scalar: writes up to one id past the last candidate.
+inline int64_t TakeCollided(uint8_t* count, int64_t n, int32_t* cand) {
   int64_t c = 0;
 #ifdef PIGJAX_X86
   // SSE2 (every x86-64): 16 counts per compare; count >= 2 <=> min(count, 2) == 2 (unsigned).
   const __m128i two = _mm_set1_epi8(2), zero = _mm_setzero_si128();
-  uint32_t hm[kMaxGatherHeads];
-  for (int64_t i = begin; i < end; i += 16) {
-    uint32_t any = 0;
-    for (int h = 0; h < g; ++h) {
-      __m128i* p = reinterpret_cast<__m128i*>(count[h] + i);
-      const __m128i v = _mm_loadu_si128(p);
-      _mm_storeu_si128(p, zero);
-      hm[h] = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(v, two), two)));
-      any |= hm[h];
-    }
-    for (; any; any &= any - 1) {
-      const int b = __builtin_ctz(any);
-      uint32_t mk = 0;
-      for (int h = 0; h < g; ++h) mk |= ((hm[h] >> b) & 1u) << h;
-      ids[c] = static_cast<int32_t>(i + b);
-      mask[c++] = static_cast<uint8_t>(mk);
-    }
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(count + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(count + i), zero);
+    uint32_t m = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_min_epu8(v, two), two)));
+    for (; m; m &= m - 1) cand[c++] = static_cast<int32_t>(i + __builtin_ctz(m));
   }
 #else
-  for (int64_t i = begin; i < end; ++i) {
-    uint32_t mk = 0;
-    for (int h = 0; h < g; ++h) {
-      mk |= uint32_t{count[h][i] >= 2} << h;
-      count[h][i] = 0;
-    }
-    ids[c] = static_cast<int32_t>(i);
-    mask[c] = static_cast<uint8_t>(mk);
-    c += mk != 0;
+  for (int64_t i = 0; i < n; ++i) {
+    cand[c] = static_cast<int32_t>(i);
+    c += count[i] >= 2;
+    count[i] = 0;
   }
+  std::fill(count + n, count + (n + 15) / 16 * 16, uint8_t{0});
 #endif
   return c;
 }
@@ -684,7 +668,7 @@ inline void CountSegment(const TableSegment& seg, int64_t seg_tokens, const int3
                          int num_bits, int num_tables, uint8_t* count, uint16_t* walk) {
   const int64_t stride = (int64_t{1} << num_bits) + 1;
   constexpr int kAhead = 16;
-  constexpr int64_t kWalk = kWalkIds;
+  constexpr int64_t kWalk = CollisionCounter::kWalkIds;
   int32_t begin[kTablesPerPass], end[kTablesPerPass];
   for (int t0 = 0; t0 < num_tables; t0 += kTablesPerPass) {
     if (t0 > 0) {
@@ -724,20 +708,21 @@ inline void CountSegment(const TableSegment& seg, int64_t seg_tokens, const int3
   }
 }
 
-// Counts into count[0, n), for every pool token, the query's buckets that hold it (the candidates
-// are those with 2 or more: TakeGroupCollided). count is zero on entry and holds n rounded up to
-// 16 bytes; walk holds kWalkIds. `segments`: the pool's table segments (segment s holds tokens
-// from s * kSegmentTokens).
-inline void CountCollisions(const std::vector<TableSegment>& segments, const int32_t* codes,
-                            int num_bits, int num_tables, int64_t n, uint8_t* count,
-                            uint16_t* walk) {
+// Writes to `cand`, in ascending order, every pool token (id < n) that shares the query's code in
+// at least 2 tables; returns the count. Ascending ids make the later K/V gathers walk memory
+// forwards. The caller has reserved the counter for n and `cand` for n + kScanSlack ids.
+// `segments`: the pool's table segments (segment s holds tokens from s * kSegmentTokens).
+inline int64_t CollectCandidates(const std::vector<TableSegment>& segments, const int32_t* codes,
+                                 int num_bits, int num_tables, int64_t n,
+                                 CollisionCounter& counter, int32_t* cand) {
   // (Segments past the pool's tokens may exist: allocated by an insert that then failed.)
   const size_t used = std::min(segments.size(), size_t((n + kSegmentTokens - 1) / kSegmentTokens));
   for (size_t s = 0; s < used; ++s) {
     const int64_t first = int64_t(s) * kSegmentTokens;
     CountSegment(segments[s], std::min(kSegmentTokens, n - first), codes, num_bits, num_tables,
-                 count + first, walk);
+                 counter.count.data() + first, counter.walk.data());
   }
+  return TakeCollided(counter.count.data(), n, cand);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -777,9 +762,8 @@ constexpr int64_t kChunk = 64;
 // How many candidates ahead the gather prefetches: rows are scattered over the pool, so each is
 // a cache miss unless requested early (about a DRAM latency's worth of work ahead).
 constexpr int64_t kPrefetchAhead = 16;
-// Scratch AccumulateGroupAttention needs: floats, and int32 ids.
-constexpr int64_t kAttentionScratch = (kMaxGatherHeads + 2) * kChunk;
-constexpr int64_t kAttentionIdScratch = kMaxGatherHeads * kChunk;
+// Scratch floats AccumulateAttention needs.
+constexpr int64_t kAttentionScratch = 2 * kChunk;
 
 // Every cache line of [p, p + bytes).
 inline void PrefetchLines(const char* p, int64_t bytes) {
@@ -795,12 +779,6 @@ inline int64_t PrefetchAhead() {
     return e ? std::max(1, std::atoi(e)) : kPrefetchAhead;
   }();
   return ahead;
-}
-
-// Requests the row of pool token id (and an int8 row's scales).
-inline void PrefetchRow(const PoolView& pool, int32_t id) {
-  PrefetchLines(pool.rows + int64_t{id} * pool.row_bytes, pool.row_bytes);
-  if (pool.scales) __builtin_prefetch(pool.scales + 2 * int64_t{id}, 0, 3);
 }
 
 namespace scalar {
@@ -823,147 +801,109 @@ void DotNorm(const float* q, const float* mu, const T* k, int64_t d, float k_sca
 #ifdef PIGJAX_X86
 namespace avx2 {
 #define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
-// The score phase's gather, for d % 8 == 0, over the candidates cc[0, nc) of a gather's g query
-// heads qs [g, d]: norm[j] = |k_scale * k - mu| of candidate j's key, and qk[h * kChunk + j] =
-// k_scale * (q_h . k) for every head h, all from one read of the row, which is prefetched `ahead`
-// candidates early (while j + ahead < avail, the candidates left in cc). Every head's dot is
-// computed, member of the row or not: a loop over the row's heads (1 to g, at random) costs a
-// branch miss per row, more than the dots it saves at g <= 4 (the caller drops the others).
+// The score phase's gather, for d % 8 == 0: qk[j] = k_scale * (q . k) and norm[j] =
+// |k_scale * k - mu| of candidate cc[j]'s key, both from one pass over the row, which is
+// prefetched `ahead` candidates early (while j + ahead < avail, the candidates left in cc).
 template <typename T>
-PIGJAX_AVX2 void GatherGroupDots(const float* qs, int g, int64_t d, const PoolView& pool,
-                                 const int32_t* cc, int64_t nc, int64_t avail, int64_t ahead,
-                                 float* qk, float* norm) {
+PIGJAX_AVX2 void GatherDotNorms(const float* q, int64_t d, const PoolView& pool,
+                                const int32_t* cc, int64_t nc, int64_t avail, int64_t ahead,
+                                float* qk, float* norm) {
+  const char* rows = pool.rows;
+  const int64_t rb = pool.row_bytes;
   const float* mu = pool.mu;
-  const __m256 zero = _mm256_setzero_ps();
   for (int64_t j = 0; j < nc; ++j) {
-    if (j + ahead < avail) PrefetchRow(pool, cc[j + ahead]);
+    if (j + ahead < avail) {
+      PrefetchLines(rows + int64_t{cc[j + ahead]} * rb, rb);
+      if (pool.scales) __builtin_prefetch(pool.scales + 2 * int64_t{cc[j + ahead]}, 0, 3);
+    }
     const int64_t i = cc[j];
-    const T* k = reinterpret_cast<const T*>(pool.rows + i * pool.row_bytes);
+    const T* k = reinterpret_cast<const T*>(rows + i * rb);
     const float ks = pool.k_scale(i);
     const __m256 vks = Set(ks);
-    __m256 acc[kMaxGatherHeads];
-    for (int h = 0; h < g; ++h) acc[h] = zero;
-    __m256 n0 = zero, n1 = zero;
-    for (int64_t e0 = 0; e0 < d; e0 += 64) {  // the row in 64-lane slices, held in registers
-      const int nv = static_cast<int>(std::min<int64_t>(d - e0, 64) / 8);
-      __m256 x[8];
-      for (int v = 0; v < nv; ++v) {
-        x[v] = Load8(k + e0 + 8 * v);
-        const __m256 c = _mm256_fmsub_ps(x[v], vks, _mm256_loadu_ps(mu + e0 + 8 * v));
-        if (v & 1) {
-          n1 = _mm256_fmadd_ps(c, c, n1);
-        } else {
-          n0 = _mm256_fmadd_ps(c, c, n0);
-        }
-      }
-      for (int h = 0; h < g; ++h) {
-        const float* q = qs + h * d + e0;
-        __m256 a0 = acc[h], a1 = zero;
-        for (int v = 0; v + 1 < nv; v += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), x[v], a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), x[v + 1], a1);
-        }
-        if (nv & 1) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * (nv - 1)), x[nv - 1], a0);
-        acc[h] = _mm256_add_ps(a0, a1);
-      }
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, n0 = a0, n1 = a0;
+    int64_t e = 0;
+    for (; e + 16 <= d; e += 16) {
+      const __m256 x0 = Load8(k + e), x1 = Load8(k + e + 8);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), x1, a1);
+      const __m256 c0 = _mm256_fmsub_ps(x0, vks, _mm256_loadu_ps(mu + e));
+      const __m256 c1 = _mm256_fmsub_ps(x1, vks, _mm256_loadu_ps(mu + e + 8));
+      n0 = _mm256_fmadd_ps(c0, c0, n0);
+      n1 = _mm256_fmadd_ps(c1, c1, n1);
     }
-    norm[j] = std::sqrt(HSum(_mm256_add_ps(n0, n1)));
-    for (int h = 0; h < g; ++h) qk[h * kChunk + j] = ks * HSum(acc[h]);
+    if (e < d) {  // d % 16 == 8
+      const __m256 x0 = Load8(k + e);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), x0, a0);
+      const __m256 c0 = _mm256_fmsub_ps(x0, vks, _mm256_loadu_ps(mu + e));
+      n0 = _mm256_fmadd_ps(c0, c0, n0);
+    }
+    // Both horizontal sums in one tree: lanes (dot, norm^2, dot, norm^2).
+    const __m256 h = _mm256_hadd_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(n0, n1));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    t = _mm_hadd_ps(t, t);
+    qk[j] = ks * _mm_cvtss_f32(t);
+    norm[j] = std::sqrt(_mm_cvtss_f32(_mm_movehdup_ps(t)));
   }
 }
 #undef PIGJAX_AVX2
 }  // namespace avx2
 #endif  // PIGJAX_X86
 
-// Adds the candidates ids[0..count) of a gather's g query heads qs [g, D] to each head's running
-// softmax-weighted sum: o[h * o_stride, h * o_stride + D) holds sum_c w_c v_c with w_c = exp(s_c - m[h]),
-// z[h] = sum_c w_c, m[h] the largest score so far (start from o = 0, z = 0, m = -inf). Candidate
-// j belongs to the heads whose bits are set in mask[j]; its row is read once for all of them.
-// n[h] += the candidates of head h. `params`: each head's ScoreParams. `scratch`: >=
-// kAttentionScratch floats; `id_scratch`: >= kAttentionIdScratch. Raw keys in the logits
+// Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query: o[D] holds
+// sum_c w_c v_c with w_c = exp(s_c - m), z = sum_c w_c, m the largest score so far (start from
+// o = 0, z = 0, m = -inf). `scratch`: >= kAttentionScratch floats. Raw keys in the logits
 // (centred keys only in the cosine; DESIGN.md step 2). split_ns (optional, profiling): += wall
 // time of the score and the softmax phases.
 template <typename T>
-void AccumulateGroupAttention(const VecOps& ops, const float* qs, const ScoreParams* params,
-                              int g, int64_t d, const PoolView& pool, const int32_t* ids,
-                              const uint8_t* mask, int64_t count, const LogCollisionTable& log_u,
-                              float* scratch, int32_t* id_scratch, float* o, int64_t o_stride,
-                              float* m, float* z, int64_t* n, uint64_t* split_ns = nullptr) {
+void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
+                         const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
+                         float* scratch, float* o, float& m, float& z,
+                         uint64_t* split_ns = nullptr) {
   if (count == 0) return;  // (an empty pool has no mean key to read)
+  const char* rows = pool.rows;
   const int64_t rb = pool.row_bytes, ahead_n = PrefetchAhead();
-  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(pool.rows + i * rb); };
-  float* qk = scratch;                                // [g, kChunk]: q.k, then scores, weights
-  float* norm = scratch + kMaxGatherHeads * kChunk;   // [kChunk]
-  float* hnorm = norm + kChunk;                       // [kChunk]: one head's norms
-  int32_t* hid = id_scratch;                          // [g, kChunk]: each head's candidates
-  int64_t hn[kMaxGatherHeads];
-  float hmax[kMaxGatherHeads];
+  auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb); };
+  const ScoreParams params{ops.Dot(q, pool.mu, d), std::sqrt(ops.Dot(q, q, d)),
+                           1.f / std::sqrt(static_cast<float>(d))};
+  float* s = scratch;              // [kChunk]: q.k, then scores, then weights
+  float* norm = scratch + kChunk;  // [kChunk]
   // The AVX2 chunk kernels need whole 8-lane vectors per row; other head dims (and
   // PIGJAX_KERNELS=scalar) take the primitive-by-primitive path.
   [[maybe_unused]] const bool vectorized = std::strcmp(ops.isa, "avx2") == 0 && d % 8 == 0;
-  // The first rows of the range at once: the gather below requests each row `ahead` early.
-  for (int64_t j = 0; j < std::min(ahead_n, count); ++j) PrefetchRow(pool, ids[j]);
   for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
     const int64_t nc = std::min(kChunk, count - c0);
-    const int32_t* cc = ids + c0;
-    const uint8_t* mk = mask + c0;
+    const int32_t* cc = cand + c0;
     const uint64_t t0 = split_ns ? NowNsKernel() : 0;
 #ifdef PIGJAX_X86
     if (vectorized) {
-      avx2::GatherGroupDots<T>(qs, g, d, pool, cc, nc, count - c0, ahead_n, qk, norm);
+      avx2::GatherDotNorms<T>(q, d, pool, cc, nc, count - c0, ahead_n, s, norm);
     } else
 #endif
     {
       for (int64_t j = 0; j < nc; ++j) {
-        if (c0 + j + ahead_n < count) PrefetchRow(pool, cc[j + ahead_n]);
-        for (uint32_t b = mk[j]; b; b &= b - 1) {
-          const int h = __builtin_ctz(b);
-          scalar::DotNorm(qs + h * d, pool.mu, key(cc[j]), d, pool.k_scale(cc[j]),
-                          &qk[h * kChunk + j], &norm[j]);
-        }
+        if (c0 + j + ahead_n < count) PrefetchLines(rows + cc[j + ahead_n] * rb, rb);
+        scalar::DotNorm(q, pool.mu, key(cc[j]), d, pool.k_scale(cc[j]), &s[j], &norm[j]);
       }
     }
-    // Each head's candidates of the chunk, compacted in place (in order, branch-free: the
-    // membership bits are random), then scored.
-    for (int h = 0; h < g; ++h) {
-      float* s = qk + h * kChunk;
-      int32_t* id = hid + h * kChunk;
-      int64_t c = 0;
-      for (int64_t j = 0; j < nc; ++j) {
-        s[c] = s[j];
-        hnorm[c] = norm[j];
-        id[c] = cc[j];
-        c += (mk[j] >> h) & 1;
-      }
-      hn[h] = c;
-      if (c > 0) hmax[h] = ops.scores(s, hnorm, c, params[h], log_u, s);
-    }
+    const float mc = ops.scores(s, norm, nc, params, log_u, s);
     const uint64_t t1 = split_ns ? NowNsKernel() : 0;
-    for (int h = 0; h < g; ++h) {
-      const int64_t c = hn[h];
-      if (c == 0) continue;
-      float* s = qk + h * kChunk;
-      const int32_t* id = hid + h * kChunk;
-      float* oh = o + h * o_stride;
-      if (hmax[h] > m[h]) {
-        if (z[h] > 0.f) {
-          const float r = std::exp(m[h] - hmax[h]);
-          z[h] *= r;
-          for (int64_t e = 0; e < d; ++e) oh[e] *= r;
-        }
-        m[h] = hmax[h];
+    if (mc > m) {
+      if (z > 0.f) {
+        const float r = std::exp(m - mc);
+        z *= r;
+        for (int64_t e = 0; e < d; ++e) o[e] *= r;
       }
-      z[h] += ops.exp_sum(s, c, m[h]);
-      pool.ScaleByV(id, c, s);
+      m = mc;
+    }
+    z += ops.exp_sum(s, nc, m);
+    pool.ScaleByV(cc, nc, s);
 #ifdef PIGJAX_X86
-      if (vectorized) {
-        avx2::WeightedRows<T>(s, d, c, [&](int64_t j) { return key(id[j]) + d; }, oh);
-      } else
+    if (vectorized) {
+      avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);
+    } else
 #endif
-      {
-        for (int64_t j = 0; j < c; ++j) ops.Axpy(s[j], key(id[j]) + d, oh, d);
-      }
-      n[h] += c;
+    {
+      for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], key(cc[j]) + d, o, d);
     }
     if (split_ns) {
       const uint64_t t2 = NowNsKernel();

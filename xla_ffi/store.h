@@ -95,10 +95,10 @@ inline int ResolveThreads(int threads) {
   return std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxThreads);
 }
 
-// Bytes of the attend's scratch, counted per worker: 5 bytes per token (the proxy's candidate
-// ids, and for MagicPIG the query heads' collision counts, a byte per token and head, with room
-// for about 2.5 query heads per worker), scores, query, bucket counts. The proxy adds a selection
-// buffer of capacity floats. Cannot overflow: capacity < 2^31, head_dim < 2^31, num_bits <= 24.
+// Bytes of the per-worker scratch (collision bitsets, candidate ids, scores, query, bucket
+// counts; an upper bound: the bitsets take 2 bits per token, counted as a byte).
+// Cannot overflow: capacity < 2^31, head_dim < 2^31, num_bits <= 24.
+// The proxy adds a selection buffer of capacity floats.
 inline uint64_t ScratchBytes(const StoreConfig& c) {
   return uint64_t(c.capacity) * (c.estimator == Estimator::kProxy ? 9 : 5) +
          uint64_t(kAttentionScratch + c.head_dim) * 4 + ((uint64_t{1} << c.num_bits) + 1) * 4;
@@ -268,9 +268,6 @@ struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
   uint64_t heads = 0, ids_walked = 0, candidates = 0, bytes = 0;
-  // Rows read: candidates counted once for all the query heads of a kv head that share them
-  // (MagicPIG's gather), against `candidates`, which counts them per query head.
-  uint64_t rows_read = 0;
   // Candidates by where they lie in the pool: bin b counts ids in [b n / kBins, (b + 1) n / kBins)
   // (oldest tokens first), to see which part of a long context the collisions come from.
   static constexpr int kBins = 16;
@@ -282,7 +279,7 @@ struct Profile {
     attend_calls += o.attend_calls, attend_ns += o.attend_ns, insert_calls += o.insert_calls;
     insert_ns += o.insert_ns, lookup_ns += o.lookup_ns, score_ns += o.score_ns;
     softmax_ns += o.softmax_ns, heads += o.heads, ids_walked += o.ids_walked;
-    candidates += o.candidates, bytes += o.bytes, rows_read += o.rows_read;
+    candidates += o.candidates, bytes += o.bytes;
     for (int b = 0; b < kBins; ++b) candidate_bins[b] += o.candidate_bins[b];
   }
 };
@@ -292,17 +289,9 @@ inline uint64_t NowNs() { return NowNsKernel(); }
 // Below this many (pool token x query head) pairs an attend runs on the calling thread: waking
 // the pool's threads costs tens of microseconds, more than such a call takes on one core.
 constexpr int64_t kMinParallelWork = 32768;
-// Candidates per piece of the proxy's two-phase attend: large enough that a piece's fixed costs
-// (two dots, one merge of D floats) vanish, small enough that nine heads make many pieces.
+// Candidates per piece of the two-phase attend: large enough that a piece's fixed costs (two
+// dots, one merge of D floats) vanish, small enough that nine heads make many pieces.
 constexpr int64_t kPieceCandidates = 512;
-// MagicPIG's pieces are ranges of pool tokens, a gather's query heads each: an eighth of the
-// pool, within these bounds (multiples of 16, as the candidate scan reads 16 counts at a time).
-// A piece depends on the row's pool size only, so a row's output does not depend on the threads
-// or on its batch mates.
-constexpr int64_t kPieceTokensMin = 512, kPieceTokensMax = 4096;
-inline int64_t PieceTokens(int64_t n) {
-  return std::clamp<int64_t>((n + 127) / 128 * 16, kPieceTokensMin, kPieceTokensMax);
-}
 
 class Store {
  public:
@@ -362,12 +351,9 @@ class Store {
     for (const auto& p : pools_) b += p.Bytes();
     for (const auto& s : scratch_) b += s.Bytes();
     for (const auto& c : item_cand_) b += 4 * c.capacity();
-    for (const auto& c : item_count_) b += c.capacity();
     b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity() +
               item_w_.capacity() + item_sw_.capacity() + item_bias_.capacity() +
-              item_tail_.capacity() + score_.capacity()) + item_wq_.capacity() +
-         8 * (item_first_.capacity() + piece_count_.capacity()) +
-         sizeof(Gather) * gathers_.capacity();
+              item_tail_.capacity() + score_.capacity()) + item_wq_.capacity();
     return b;
   }
 
@@ -396,19 +382,15 @@ class Store {
   }
 
   struct Scratch {
-    std::vector<uint16_t> walk;   // the lookup's copied bucket ids [kWalkIds]
-    std::vector<float> score;     // [kAttentionScratch]
-    std::vector<int32_t> ids;     // [kAttentionIdScratch]
-    std::vector<int32_t> union_ids;   // a piece's candidates [kPieceTokensMax + 1]
-    std::vector<uint8_t> union_mask;  // and their query heads [kPieceTokensMax + 1]
+    CollisionCounter counter;
+    std::vector<float> score;
     std::vector<int32_t> bucket;  // [2^K + 1]
     std::vector<float> select;    // proxy: the selection's scores [>= pool]
     std::vector<int32_t> select_ids;  // proxy: the selection's ids [pool + 8]
     Profile prof;
     uint64_t Bytes() const {
-      return 2 * walk.capacity() + union_mask.capacity() +
-             4 * (score.capacity() + ids.capacity() + union_ids.capacity() + bucket.capacity() +
-                  select.capacity() + select_ids.capacity());
+      return counter.Bytes() + 4 * (score.capacity() + bucket.capacity() +
+                                            select.capacity() + select_ids.capacity());
     }
   };
 
@@ -437,9 +419,8 @@ class Store {
   std::string AttendProxy(const AttendArgs& a, bool inline_only);
 
   // o [D] and *lse of query head `item` from its pieces, which start at pieces_[first] (pieces_
-  // holds each head's pieces in order, heads in order), merged by log-sum-exp in piece order;
-  // pieces without candidates (z = 0) are skipped. Returns the index of the next head's first
-  // piece.
+  // holds each head's pieces in order, heads in order), merged by log-sum-exp in piece order.
+  // Returns the index of the next head's first piece.
   int64_t MergePieces(int64_t item, int64_t first, float* o, float* lse) const {
     const int64_t d = cfg_.head_dim, np = static_cast<int64_t>(pieces_.size());
     int64_t end = first;
@@ -448,7 +429,6 @@ class Store {
     float m = -std::numeric_limits<float>::infinity(), z = 0.f;
     for (int64_t k = first; k < end; ++k) m = std::max(m, piece_mz_[2 * k]);
     for (int64_t k = first; k < end; ++k) {
-      if (!(piece_mz_[2 * k + 1] > 0.f)) continue;  // no candidates (MagicPIG's token ranges)
       const float r = std::exp(piece_mz_[2 * k] - m);
       z += r * piece_mz_[2 * k + 1];
       for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
@@ -465,17 +445,6 @@ class Store {
   std::vector<std::vector<int32_t>> item_cand_;
   std::vector<float> item_q_, piece_o_, piece_mz_;
   std::vector<Piece> pieces_;
-  // MagicPIG attend: per query head its collision counts [pool rounded up to 16] (zero between
-  // calls: the candidate scan clears what it reads) and the index of its first piece; per piece
-  // its head's candidates. The work: per gather (a row's query heads of one kv head, at most
-  // kMaxGatherHeads) and token range, the pieces it fills, one per head.
-  struct Gather {
-    int64_t item, range;  // first query head, range index
-    int heads;
-  };
-  std::vector<std::vector<uint8_t>> item_count_;
-  std::vector<int64_t> item_first_, piece_count_;
-  std::vector<Gather> gathers_;
   // Proxy attend: per query head the scan's int8 weights [padded] and their scale, the bias, its
   // tail's lse, and the proxy scores of every pool token ([items, max pool]); item_w_ is the
   // float weights of one head before rounding [padded].
@@ -831,58 +800,39 @@ inline std::string Store::Attend(const AttendArgs& a) {
     }
     return e;
   }
-  const int64_t group = hq / c.num_kv_heads;
-  auto pool_of = [&](int64_t i) -> HeadPool& { return Pool(a.layer, a.slots[i / hq], (i % hq) / group); };
-  // The pieces, head by head (MergePieces' order): a head's pool in ranges of PieceTokens(n).
-  // The work: per gather and range, its heads' pieces.
   try {
     for (auto& s : scratch_) {
-      s.walk.resize(kWalkIds);
+      s.counter.Reserve(max_n);
       s.score.resize(kAttentionScratch);
-      s.ids.resize(kAttentionIdScratch);
-      s.union_ids.resize(kPieceTokensMax + 1);
-      s.union_mask.resize(kPieceTokensMax + 1);
     }
-    if (item_count_.size() < size_t(items)) item_count_.resize(items);
-    item_first_.resize(items);
-    pieces_.clear();
-    gathers_.clear();
+    // Candidate buffers; the branch-free scan writes past the last candidate.
+    if (item_cand_.size() < size_t(items)) item_cand_.resize(items);
     for (int64_t i = 0; i < items; ++i) {
-      const int64_t n = pool_of(i).n;
-      const size_t padded = size_t((n + 15) / 16 * 16);
-      if (item_count_[i].size() < padded) item_count_[i].resize(padded, 0);
-      item_first_[i] = static_cast<int64_t>(pieces_.size());
-      const int64_t step = PieceTokens(n);
-      for (int64_t r0 = 0; r0 < n; r0 += step) pieces_.push_back({i, r0, std::min(n, r0 + step)});
-      const int64_t sub = i % hq % group;
-      if (sub % kMaxGatherHeads == 0) {
-        const int heads = static_cast<int>(std::min<int64_t>(kMaxGatherHeads, group - sub));
-        for (int64_t r = 0; r * step < n; ++r) gathers_.push_back({i, r, heads});
-      }
+      const int64_t n = Pool(a.layer, a.slots[i / hq], 0).n;
+      if (item_cand_[i].size() < size_t(n + kScanSlack)) item_cand_[i].resize(n + kScanSlack);
     }
     item_q_.resize(items * d);
   } catch (const std::bad_alloc&) {
     return "store_attend: out of host memory for the lookup scratch.";
   }
-  const int64_t np = static_cast<int64_t>(pieces_.size());
-  piece_o_.assign(np * d, 0.f);
-  piece_mz_.assign(2 * np, 0.f);
-  piece_count_.assign(np, 0);
 
-  // Phase 1, per query head: its query as f32 and the collision count of every pool token.
-  ParallelFor(items, [&](int64_t i, int w) {
-    Scratch& s = scratch_[w];
+  const int64_t group = hq / c.num_kv_heads;
+  auto pool_of = [&](int64_t i) -> HeadPool& { return Pool(a.layer, a.slots[i / hq], (i % hq) / group); };
+  // Query i as f32 into q; its candidates into cand (ascending), returning the count.
+  auto lookup = [&](int64_t i, Scratch& s, float* q, int32_t* cand) -> int64_t {
     HeadPool& p = pool_of(i);
-    if (p.n == 0) return;  // no tables yet
-    float* q = item_q_.data() + i * d;
+    if (p.n == 0) {  // no tables yet
+      a.count[i] = 0;
+      return 0;
+    }
     for (int64_t e = 0; e < d; ++e) {
       q[e] = a.q_dtype == DType::kF32 ? static_cast<const float*>(a.q)[i * d + e]
                                       : ToF32(static_cast<const bf16*>(a.q)[i * d + e]);
     }
     const int32_t* qcodes = a.codes + i * c.num_tables;
     const uint64_t t0 = prof ? NowNs() : 0;
-    CountCollisions(p.segments, qcodes, c.num_bits, c.num_tables, p.n, item_count_[i].data(),
-                    s.walk.data());
+    const int64_t count = CollectCandidates(p.segments, qcodes, c.num_bits, c.num_tables, p.n,
+                                            s.counter, cand);
     if (prof) {
       s.prof.lookup_ns += NowNs() - t0;
       uint64_t walked = 0;
@@ -894,91 +844,66 @@ inline std::string Store::Attend(const AttendArgs& a) {
       }
       s.prof.heads += 1;
       s.prof.ids_walked += walked;
-      s.prof.bytes += walked * 2;
-    }
-  }, inline_only);
-
-  // Phase 2, per gather and token range: the candidates of the gather's heads (>= 2 collisions)
-  // and their importance-weighted attention, each row read once for all the heads it belongs to
-  // (its pieces' partial softmax sums o, m, z), merged per head by log-sum-exp at the end.
-  // (Session 17 measured one queue for the lookups and the pieces, so that no worker waits at
-  // the barrier for the last lookup: no gain beyond noise, BENCHMARKS.md "Session 17".)
-  ParallelFor(static_cast<int64_t>(gathers_.size()), [&](int64_t j, int w) {
-    Scratch& s = scratch_[w];
-    const Gather& gt = gathers_[j];
-    const int g = gt.heads;
-    const Piece& first = pieces_[item_first_[gt.item] + gt.range];
-    HeadPool& p = pool_of(gt.item);
-    const PoolView view = View(p);
-    uint8_t* counts[kMaxGatherHeads];
-    ScoreParams params[kMaxGatherHeads];
-    float m[kMaxGatherHeads], z[kMaxGatherHeads];
-    int64_t n[kMaxGatherHeads];
-    for (int h = 0; h < g; ++h) {
-      counts[h] = item_count_[gt.item + h].data();
-      const float* q = item_q_.data() + (gt.item + h) * d;
-      params[h] = ScoreParams{ops_.Dot(q, p.mu.data(), d), std::sqrt(ops_.Dot(q, q, d)),
-                              1.f / std::sqrt(static_cast<float>(d))};
-      m[h] = -std::numeric_limits<float>::infinity();
-      z[h] = 0.f;
-      n[h] = 0;
-    }
-    const uint64_t t0 = prof ? NowNs() : 0;
-    const int64_t end = std::min<int64_t>((first.end + 15) / 16 * 16, item_count_[gt.item].size());
-    const int64_t nu = TakeGroupCollided(counts, g, first.begin, end, s.union_ids.data(),
-                                         s.union_mask.data());
-    if (prof) s.prof.lookup_ns += NowNs() - t0;
-    // Head h's piece is item_first_[item + h] + range: the gather's heads have the same pool, so
-    // the same number of pieces each.
-    const int64_t k0 = item_first_[gt.item] + gt.range;
-    const int64_t per_head = g > 1 ? item_first_[gt.item + 1] - item_first_[gt.item] : 0;
-    float* ob = piece_o_.data() + k0 * d;
-    uint64_t split_ns[2] = {0, 0};
-    uint64_t* sp = prof ? split_ns : nullptr;
-    const float* qs = item_q_.data() + gt.item * d;
-    if (c.dtype == DType::kF32) {
-      AccumulateGroupAttention<float>(ops_, qs, params, g, d, view, s.union_ids.data(),
-                                      s.union_mask.data(), nu, log_u_, s.score.data(),
-                                      s.ids.data(), ob, per_head * d, m, z, n, sp);
-    } else if (c.dtype == DType::kBf16) {
-      AccumulateGroupAttention<bf16>(ops_, qs, params, g, d, view, s.union_ids.data(),
-                                     s.union_mask.data(), nu, log_u_, s.score.data(),
-                                     s.ids.data(), ob, per_head * d, m, z, n, sp);
-    } else {
-      AccumulateGroupAttention<int8_t>(ops_, qs, params, g, d, view, s.union_ids.data(),
-                                       s.union_mask.data(), nu, log_u_, s.score.data(),
-                                       s.ids.data(), ob, per_head * d, m, z, n, sp);
-    }
-    for (int h = 0; h < g; ++h) {
-      const int64_t k = k0 + h * per_head;
-      piece_mz_[2 * k] = m[h];
-      piece_mz_[2 * k + 1] = z[h];
-      piece_count_[k] = n[h];
-    }
-    if (prof) {
-      s.prof.score_ns += split_ns[0];
-      s.prof.softmax_ns += split_ns[1];
-      int64_t total = 0;
-      for (int h = 0; h < g; ++h) total += n[h];
-      s.prof.candidates += total;
-      s.prof.rows_read += nu;
-      s.prof.bytes += nu * TokenBytes(d, c.dtype);
-      // Bins of the head's pool (every head of a gather has the same pool); ids ascending: walk
-      // the bins' lower bounds (ceil(b n / kBins)) instead of a 64-bit division per candidate.
+      s.prof.candidates += count;
+      s.prof.bytes += walked * 2 + count * TokenBytes(d, c.dtype);
+      // cand is ascending: walk the bins' lower bounds (ceil(b n / kBins)) instead of one
+      // 64-bit division per candidate (1.7 M per profiled step at 128k, inside the attend's clock).
       int64_t bin = 0;
       auto lower = [&](int64_t b) { return (b * p.n + Profile::kBins - 1) / Profile::kBins; };
-      for (int64_t u = 0; u < nu; ++u) {
-        while (bin + 1 < Profile::kBins && s.union_ids[u] >= lower(bin + 1)) ++bin;
-        s.prof.candidate_bins[bin] += __builtin_popcount(s.union_mask[u]);
+      for (int64_t j = 0; j < count; ++j) {
+        while (bin + 1 < Profile::kBins && cand[j] >= lower(bin + 1)) ++bin;
+        s.prof.candidate_bins[bin] += 1;
       }
     }
+    a.count[i] = static_cast<int32_t>(count);
+    return count;
+  };
+  // Adds cand[0..count) of query i to (o, m, z).
+  auto accumulate = [&](int64_t i, Scratch& s, const float* q, const int32_t* cand, int64_t count,
+                        float* o, float& m, float& z) {
+    HeadPool& p = pool_of(i);
+    const PoolView view = View(p);
+    uint64_t split_ns[2] = {0, 0};
+    uint64_t* sp = prof ? split_ns : nullptr;
+    if (c.dtype == DType::kF32) {
+      AccumulateAttention<float>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z, sp);
+    } else if (c.dtype == DType::kBf16) {
+      AccumulateAttention<bf16>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z, sp);
+    } else {
+      AccumulateAttention<int8_t>(ops_, q, d, view, cand, count, log_u_, s.score.data(), o, m, z,
+                                  sp);
+    }
+    s.prof.score_ns += split_ns[0];
+    s.prof.softmax_ns += split_ns[1];
+  };
+
+  // Two phases, so that two workers share nine query heads evenly: all lookups, then the
+  // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
+  // (o, m, z), merged per head by log-sum-exp at the end. (Session 17 measured one queue for
+  // both, so that no worker waits at the barrier for the last lookup: no gain beyond noise on
+  // either VM, BENCHMARKS.md "Session 17".)
+  ParallelFor(items, [&](int64_t i, int w) {
+    lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
   }, inline_only);
-  for (int64_t i = 0, j = 0; i < items; ++i) {
-    int64_t total = 0;
-    for (int64_t k = j; k < np && pieces_[k].item == i; ++k) total += piece_count_[k];
-    a.count[i] = static_cast<int32_t>(total);
-    j = MergePieces(i, j, a.o + i * d, &a.lse[i]);
+  pieces_.clear();
+  for (int64_t i = 0; i < items; ++i) {
+    for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
+      pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
+    }
   }
+  const int64_t np = static_cast<int64_t>(pieces_.size());
+  piece_o_.assign(np * d, 0.f);
+  piece_mz_.assign(2 * np, 0.f);
+  ParallelFor(np, [&](int64_t j, int w) {
+    const Piece& pc = pieces_[j];
+    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+    accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,
+               item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin,
+               piece_o_.data() + j * d, m, z);
+    piece_mz_[2 * j] = m;
+    piece_mz_[2 * j + 1] = z;
+  }, inline_only);
+  for (int64_t i = 0, j = 0; i < items; ++i) j = MergePieces(i, j, a.o + i * d, &a.lse[i]);
   if (prof) {
     prof_.attend_calls += 1;
     prof_.attend_ns += NowNs() - call_t0;
