@@ -375,6 +375,26 @@ def test_profile_bins_every_candidate_by_its_pool_slice():
   assert list(prof["candidate_bins"]) == want and sum(want) == G * T
 
 
+def test_profile_counts_distinct_candidates_per_kv_head():
+  """The profile's distinct_candidates is the size of the union of the candidate sets of the
+  query heads that share a kv head (computed here from the codes), summed over kv heads."""
+  from pigjax import bench
+  num_bits, num_tables, K, G, T = 3, 8, 2, 3, 500
+  d = _make(22, 1, K, G, T, [T], num_bits, num_tables, oracle=False)
+  with _store(1, K, num_bits, num_tables, T) as s:
+    zero = jnp.zeros(1, jnp.int32)
+    n = store_insert(s.handle, 0, zero, d["k"], d["v"], d["codes"], d["lengths"], d["mu"])
+    bench.set_profiling(s, True)
+    _, _, count = jax.block_until_ready(store_attend(s.handle, 0, zero, d["q"], d["qcodes"], n))
+    prof = bench.kernel_profile(s)
+  codes, qcodes = np.asarray(d["codes"])[0], np.asarray(d["qcodes"])[0]  # [K, T, L], [K G, L]
+  # [K G, T]: head h's candidates among its kv head's tokens (>= 2 tables share the code).
+  cand = np.stack([(codes[h // G] == qcodes[h][None]).sum(-1) >= 2 for h in range(K * G)])
+  np.testing.assert_array_equal(count[0], cand.sum(-1))
+  distinct = sum(int(cand[k * G:(k + 1) * G].any(0).sum()) for k in range(K))
+  assert prof["candidates"] == cand.sum() and prof["distinct_candidates"] == distinct
+  assert distinct < cand.sum()  # the heads' sets overlap, so the check tells the two apart
+
 def test_reset_num_tokens_memory():
   num_bits, num_tables, K = 6, 12, 2
   d = _make(9, 2, K, 1, 600, [600, 200], num_bits, num_tables, oracle=False)

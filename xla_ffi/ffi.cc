@@ -393,6 +393,7 @@ NB_MODULE(_pigjax_ffi, m) {
     d["heads"] = p.heads;
     d["ids_walked"] = p.ids_walked;
     d["candidates"] = p.candidates;
+    d["distinct_candidates"] = p.distinct_candidates;
     nb::list bins;
     for (uint64_t x : p.candidate_bins) bins.append(x);
     d["candidate_bins"] = bins;
