@@ -28,6 +28,8 @@ _DENSE = flags.DEFINE_bool("dense", False, "Also time the dense step, interleave
 _WEIGHTS = flags.DEFINE_string("weights", "gguf", "Config.weights.")
 _STORE_DTYPE = flags.DEFINE_string("store_dtype", AttentionConfig.store_dtype, "Host K/V dtype.")
 _ESTIMATOR = flags.DEFINE_string("estimator", "magicpig", "attention.estimator.")
+_NUM_BITS = flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
+_NUM_TABLES = flags.DEFINE_integer("num_tables", 150, "MagicPIG L.")
 _THREADS = flags.DEFINE_integer("threads", 0, "attention.threads: 0 runs the store on the "
                                 "process's compute pool (all cores), N > 0 on its own N threads.")
 _ROPE_SCALING = flags.DEFINE_float(
@@ -42,7 +44,7 @@ _CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "auto", ["auto", "float32", "bfl
 def main(argv):
   del argv
   n = _CONTEXT.value
-  att = AttentionConfig(kind="magicpig", num_bits=10, num_tables=150,
+  att = AttentionConfig(kind="magicpig", num_bits=_NUM_BITS.value, num_tables=_NUM_TABLES.value,
                         store_dtype=_STORE_DTYPE.value, estimator=_ESTIMATOR.value,
                         threads=_THREADS.value)
   pipe = Pipeline.load(Config(checkpoint="smollm2", max_seq_len=n + 512, attention=att,
