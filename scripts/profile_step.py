@@ -86,12 +86,14 @@ def main(argv):
   bench.interleaved({"magicpig": fns["magicpig"]}, 1, steps, warmup=0)
   p = bench.kernel_profile(backend.store)
   ms = lambda key: p[key] * 1e-6 / steps  # noqa: E731
+  # (MagicPIG's lookup only: the proxy walks no ids and counts no distinct candidates.)
+  distinct = (f" ({p['distinct_candidates'] / max(1, p['candidates']):.0%} of them distinct over a "
+              f"kv head's query heads); ids walked per head {p['ids_walked'] / max(1, p['heads']):.0f}"
+              if p["distinct_candidates"] else "")
   print(f"store attend {ms('attend_ns'):.1f} ms per step (thread ms: lookup {ms('lookup_ns'):.1f}, "
         f"score {ms('score_ns'):.1f}, softmax {ms('softmax_ns'):.1f}; caller alone "
         f"{ms('alone_ns'):.1f}); candidates {p['candidates'] / max(1, p['heads']) / (n - 68):.2%} "
-        f"of the pool ({p['distinct_candidates'] / max(1, p['candidates']):.0%} of them distinct "
-        f"over a kv head's query heads); ids walked per head "
-        f"{p['ids_walked'] / max(1, p['heads']):.0f}; "
+        f"of the pool{distinct}; "
         f"{p['bytes'] / steps / 1e6:.0f} MB per step = {p['bytes'] / max(1, p['attend_ns']):.2f} GB/s")
   if p["candidates"]:
     slices = bench.candidate_slices(p, n - 68)
