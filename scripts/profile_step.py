@@ -28,8 +28,8 @@ _DENSE = flags.DEFINE_bool("dense", False, "Also time the dense step, interleave
 _WEIGHTS = flags.DEFINE_string("weights", "gguf", "Config.weights.")
 _STORE_DTYPE = flags.DEFINE_string("store_dtype", AttentionConfig.store_dtype, "Host K/V dtype.")
 _ESTIMATOR = flags.DEFINE_string("estimator", "magicpig", "attention.estimator.")
-_NUM_BITS = flags.DEFINE_integer("num_bits", 10, "MagicPIG K.")
-_NUM_TABLES = flags.DEFINE_integer("num_tables", 150, "MagicPIG L.")
+_NUM_BITS = flags.DEFINE_integer("num_bits", AttentionConfig.num_bits, "MagicPIG K.")
+_NUM_TABLES = flags.DEFINE_integer("num_tables", AttentionConfig.num_tables, "MagicPIG L.")
 _THREADS = flags.DEFINE_integer("threads", 0, "attention.threads: 0 runs the store on the "
                                 "process's compute pool (all cores), N > 0 on its own N threads.")
 _ROPE_SCALING = flags.DEFINE_float(
@@ -86,14 +86,15 @@ def main(argv):
   bench.interleaved({"magicpig": fns["magicpig"]}, 1, steps, warmup=0)
   p = bench.kernel_profile(backend.store)
   ms = lambda key: p[key] * 1e-6 / steps  # noqa: E731
-  # (MagicPIG's lookup only: the proxy walks no ids and counts no distinct candidates.)
-  distinct = (f" ({p['distinct_candidates'] / max(1, p['candidates']):.0%} of them distinct over a "
-              f"kv head's query heads); ids walked per head {p['ids_walked'] / max(1, p['heads']):.0f}"
-              if p["distinct_candidates"] else "")
+  lookup = ""  # MagicPIG's table lookup only: the proxy scans its index instead
+  if _ESTIMATOR.value == "magicpig":
+    lookup = (f" ({p['distinct_candidates'] / max(1, p['candidates']):.0%} of them distinct over "
+              f"a kv head's query heads); ids walked per head "
+              f"{p['ids_walked'] / max(1, p['heads']):.0f}")
   print(f"store attend {ms('attend_ns'):.1f} ms per step (thread ms: lookup {ms('lookup_ns'):.1f}, "
         f"score {ms('score_ns'):.1f}, softmax {ms('softmax_ns'):.1f}; caller alone "
         f"{ms('alone_ns'):.1f}); candidates {p['candidates'] / max(1, p['heads']) / (n - 68):.2%} "
-        f"of the pool{distinct}; "
+        f"of the pool{lookup}; "
         f"{p['bytes'] / steps / 1e6:.0f} MB per step = {p['bytes'] / max(1, p['attend_ns']):.2f} GB/s")
   if p["candidates"]:
     slices = bench.candidate_slices(p, n - 68)

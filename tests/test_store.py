@@ -395,6 +395,7 @@ def test_profile_counts_distinct_candidates_per_kv_head():
   assert prof["candidates"] == cand.sum() and prof["distinct_candidates"] == distinct
   assert distinct < cand.sum()  # the heads' sets overlap, so the check tells the two apart
 
+
 def test_reset_num_tokens_memory():
   num_bits, num_tables, K = 6, 12, 2
   d = _make(9, 2, K, 1, 600, [600, 200], num_bits, num_tables, oracle=False)
