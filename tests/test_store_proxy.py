@@ -80,6 +80,8 @@ def _check(got, want, atol):
         (2, 2, 3, 64, 4, 0.1, "mean", [300, 57]),
         (1, 1, 1, 64, 4, 0.03, "mean", [5000]),  # the sampled-threshold selection path
         (1, 1, 3, 64, 4, 0.03, "mean", [1100]),  # ... from kSampleMinScores = 1024 scores on
+        (2, 1, 3, 64, 4, 0.03, "mean", [5000, 1500]),  # ... with pools of different lengths
+        (1, 1, 2, 64, 4, 0.05, "mean", [32768]),  # LargestAt's bins (sample and kept >= 1024)
         (3, 1, 9, 40, 3, 0.2, "none", [0, 1, 129]),  # padded channels, an empty and a 1-key pool
         (1, 2, 2, 24, 6, 0.05, "mean", [700]),  # byte-per-channel index
     ])
@@ -98,8 +100,12 @@ def test_kernel_matches_reference(monkeypatch, kernels, B, K, G, D, bits, fracti
       assert store.isa == "scalar"
     got = _attend(store, q, _insert(store, k, v, lengths_B, mu))
   _check(got, want, 2e-5)
-  for b, n in enumerate(lengths):  # rows read: ceil(fraction * n) (no ties in random data)
-    assert np.all(np.asarray(got[2])[b] == (0 if n == 0 else max(1, int(np.ceil(fraction * n)))))
+  # Rows read: ceil(fraction * n), plus the keys whose integer scan score ties the k-th (none in
+  # pools of a few thousand random keys, a few at 32k); _check has compared them with the
+  # reference's.
+  for b, n in enumerate(lengths):
+    k_keep = 0 if n == 0 else max(1, int(np.ceil(fraction * n)))
+    assert np.all(np.asarray(got[2])[b] >= k_keep) and np.all(np.asarray(got[2])[b] <= k_keep + 8)
   assert np.all(np.isneginf(np.asarray(got[1])[np.asarray(lengths) == 0]))
 
 
@@ -233,7 +239,7 @@ def test_index_memory_is_accounted():
   assert (proxy_index_bytes(4, 40), proxy_index_bytes(6, 24)) == (24, 24)  # padded groups
 
 
-@pytest.mark.parametrize("T", [1600, 4096])
+@pytest.mark.parametrize("T", [1600, 4096, 20000])  # 20000: the fallback through the bins
 def test_selection_when_the_sampled_threshold_keeps_too_few(T):
   """Pools of 1024 scores or more pick the k-th score through a threshold from every 16th score;
   when exactly those keys are the heaviest the threshold keeps fewer than k, and the selection
@@ -250,7 +256,7 @@ def test_selection_when_the_sampled_threshold_keeps_too_few(T):
                   k_max=k_keep)
   with _store(B, K, D, T, fraction=0.03) as store:
     got = _attend(store, q, _insert(store, k, v, lengths_B, mu))
-  # k_keep rows, plus any key whose integer scan score ties the k_keep-th (a few at most): the
-  # count must equal the reference's (_check).
-  assert np.all(np.asarray(got[2]) >= k_keep) and np.all(np.asarray(got[2]) <= k_keep + 2)
+  # k_keep rows, plus any key whose integer scan score ties the k_keep-th (a few at most, more in
+  # the larger pool): the count must equal the reference's (_check).
+  assert np.all(np.asarray(got[2]) >= k_keep) and np.all(np.asarray(got[2]) <= k_keep + 8)
   _check(got, want, 2e-5)

@@ -319,53 +319,100 @@ inline int64_t ProxyKeepCount(float fraction, int64_t n) {
 }
 
 // From this many scores on, KthLargest and avx2::SelectTop take the sampled threshold; below it a
-// selection over a copy of all the scores. 4096 before session 8 put the benchmark's 4k context
+// selection over all the scores. 4096 before session 8 put the benchmark's 4k context
 // (a pool of 4028) on the slow side: per sparse layer nine nth_elements over 4k scores.
 constexpr int64_t kSampleMinScores = 1024;
 
-// KthLargest's threshold from every 16th score: sample rank a quarter above k's expected rank
-// (plus a margin), which usually keeps 1.25 k + 64 of n. Uses buf[0, n / 16).
-inline float SampleThreshold(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
-  constexpr int64_t kStride = 16;
-  const int64_t m = n / kStride;
+// The (r + 1)-th largest of v[0, m) (0 <= r < m): exactly the value std::nth_element finds, in
+// a few linear passes instead of its data-dependent branches (at 128k its two calls per head were
+// more than half of the proxy's selection). The range [min, max] is cut into kRankBins equal
+// bins; x -> bin is monotone, so a higher bin holds only larger values, and the bin holding rank
+// r is found by counting from the top; nth_element then runs over that bin's values alone.
+// Below kRankMinValues values nth_element alone is faster (the bins cost a fixed 4 KiB).
+// v is not modified; tmp has room for m floats.
+constexpr int kRankBins = 1024;
+constexpr int64_t kRankMinValues = 2048;
+inline float LargestAt(const float* v, int64_t m, int64_t r, float* tmp) {
+  auto select_all = [&] {
+    std::copy(v, v + m, tmp);
+    std::nth_element(tmp, tmp + r, tmp + m, std::greater<float>());
+    return tmp[r];
+  };
+  if (m < kRankMinValues) return select_all();
+  float lo = v[0], hi = v[0];
+  for (int64_t i = 1; i < m; ++i) {
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+  }
+  // One value, or a range too narrow to divide or too wide for a float: no bins.
+  const float range = hi - lo, scale = static_cast<float>(kRankBins) / range;
+  if (!(range > 0.f) || !std::isfinite(range) || !std::isfinite(scale)) return select_all();
+  auto bin = [&](float x) {
+    return std::min(kRankBins - 1, static_cast<int>((x - lo) * scale));
+  };
+  int32_t hist[kRankBins] = {};
+  for (int64_t i = 0; i < m; ++i) hist[bin(v[i])] += 1;
+  int b = kRankBins - 1;
+  int64_t above = 0;  // values in the bins above b
+  while (above + hist[b] <= r) above += hist[b--];
+  int64_t c = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    tmp[c] = v[i];
+    c += bin(v[i]) == b;
+  }
+  std::nth_element(tmp, tmp + (r - above), tmp + c, std::greater<float>());
+  return tmp[r - above];
+}
+
+// The sampled threshold reads every kSampleStride-th score.
+constexpr int64_t kSampleStride = 16;
+
+// KthLargest's threshold from the scores s[0], s[16], ... of s[0, n): sample rank a quarter
+// above k's expected rank (plus a margin), which usually keeps 1.25 k + 64 of n. `sample`, if
+// not null, holds those n / 16 scores already gathered (the store's scan writes them while the
+// scores are in cache; gathering them here touches every cache line of s). Uses buf[0, n / 8).
+inline float SampleThreshold(const float* s, const float* sample, int64_t n, int64_t k,
+                             std::vector<float>& buf) {
+  const int64_t m = n / kSampleStride;
   if (buf.size() < size_t(n)) buf.resize(n);
-  for (int64_t j = 0; j < m; ++j) buf[j] = s[j * kStride];
-  const int64_t r = std::min(m - 1, k / kStride + k / (4 * kStride) + 4);
-  std::nth_element(buf.begin(), buf.begin() + r, buf.begin() + m, std::greater<float>());
-  return buf[r];
+  if (!sample) {
+    for (int64_t j = 0; j < m; ++j) buf[j] = s[j * kSampleStride];
+    sample = buf.data();
+  }
+  const int64_t r = std::min(m - 1, k / kSampleStride + k / (4 * kSampleStride) + 4);
+  return LargestAt(sample, m, r, buf.data() + m);
 }
 
 // The k-th largest of s[0, n) (1 <= k <= n). Below kSampleMinScores scores, or for large k, a
-// selection over a copy; otherwise a threshold from a strided sample first filters the scores
-// down to a few more than k (one vectorisable pass), and the selection runs over those. The
-// result is exact either way: a sample threshold that keeps fewer than k falls back.
-inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
-  auto select = [&](int64_t m) {
-    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.begin() + m, std::greater<float>());
-    return buf[k - 1];
-  };
-  buf.resize(n);
+// selection over all of them; otherwise a threshold from a strided sample (`sample`: as for
+// SampleThreshold) first filters the scores down to a few more than k (one vectorisable pass),
+// and the selection runs over those. The result is exact either way: a sample threshold that
+// keeps fewer than k falls back.
+inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>& buf,
+                        const float* sample = nullptr) {
+  buf.resize(2 * n);
   if (n >= kSampleMinScores && k * 8 <= n) {
-    const float theta = SampleThreshold(s, n, k, buf);
+    const float theta = SampleThreshold(s, sample, n, k, buf);
     int64_t kept = 0;
     for (int64_t i = 0; i < n; ++i) {
       buf[kept] = s[i];
       kept += s[i] >= theta;
     }
-    if (kept >= k) return select(kept);
+    if (kept >= k) return LargestAt(buf.data(), kept, k - 1, buf.data() + kept);
   }
-  std::copy(s, s + n, buf.begin());
-  return select(n);
+  return LargestAt(s, n, k - 1, buf.data());
 }
 
 // Selection and tail sum of one head: keeps (ascending, into sel; returns the count) the ids
 // with s >= tau, tau the k-th largest of s[0, n), and returns tau and z = sum of exp(s - tau)
-// over the others. Writes up to kScanSlack ids past the last kept one.
+// over the others. Writes up to kScanSlack ids past the last kept one. `sample`: null, or every
+// kSampleStride-th score already gathered (SampleThreshold).
 namespace scalar {
-inline int64_t SelectTop(const float* s, int64_t n, int64_t k, std::vector<float>& buf,
-                         std::vector<int32_t>& ids, int32_t* sel, float* tau, float* z) {
+inline int64_t SelectTop(const float* s, const float* sample, int64_t n, int64_t k,
+                         std::vector<float>& buf, std::vector<int32_t>& ids, int32_t* sel,
+                         float* tau, float* z) {
   (void)ids;
-  *tau = KthLargest(s, n, k, buf);
+  *tau = KthLargest(s, n, k, buf, sample);
   return SplitAtThreshold(s, n, *tau, sel, z);
 }
 }  // namespace scalar
@@ -379,14 +426,14 @@ namespace avx2 {
 // ones below tau join the tail: z = exp(theta - tau) * sum_{s < theta} exp(s - theta) +
 // sum_{theta <= s < tau} exp(s - tau). The same result as the scalar path up to float rounding
 // of z. Falls back to it when the sample threshold keeps fewer than k.
-PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
+PIGJAX_AVX2 inline int64_t SelectTop(const float* s, const float* sample, int64_t n, int64_t k,
                                      std::vector<float>& buf, std::vector<int32_t>& ids,
                                      int32_t* sel, float* tau, float* z) {
   if (n < kSampleMinScores || k * 8 > n) {
     *tau = KthLargest(s, n, k, buf);
     return SplitAtThreshold(s, n, *tau, sel, z);
   }
-  const float theta = SampleThreshold(s, n, k, buf);
+  const float theta = SampleThreshold(s, sample, n, k, buf);
   ids.resize(n + 8);
   float* vb = buf.data();
   int32_t* ib = ids.data();
@@ -396,12 +443,10 @@ PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
     *tau = KthLargest(s, n, k, buf);
     return SplitAtThreshold(s, n, *tau, sel, z);
   }
-  // tau among the kept, selected in a copy placed after them.
+  // tau among the kept (scratch for the selection placed after them).
   buf.resize(std::max<int64_t>(n, 2 * kept + 8));
   vb = buf.data();
-  std::copy(vb, vb + kept, vb + kept);
-  std::nth_element(vb + kept, vb + kept + (k - 1), vb + 2 * kept, std::greater<float>());
-  const float t = vb[kept + k - 1];
+  const float t = LargestAt(vb, kept, k - 1, vb + kept);
   float zs = z_lo * std::exp(theta - t);
   int64_t count = 0;
   for (int64_t j = 0; j < kept; ++j) {
@@ -422,8 +467,8 @@ struct ProxyOps {
   const char* isa;
   void (*scores)(const ProxyLayout&, const uint8_t*, int64_t, int64_t, const int8_t*,
                  const float*, int, float*, int64_t);
-  int64_t (*select)(const float*, int64_t, int64_t, std::vector<float>&, std::vector<int32_t>&,
-                    int32_t*, float*, float*);
+  int64_t (*select)(const float*, const float*, int64_t, int64_t, std::vector<float>&,
+                    std::vector<int32_t>&, int32_t*, float*, float*);
 };
 
 inline const ProxyOps& GetProxyOps() {
