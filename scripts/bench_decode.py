@@ -76,7 +76,10 @@ def log(*a):
 
 
 def smollm2(res):
-  contexts = [int(c) for c in FLAGS.contexts]
+  contexts = [int(c) for c in FLAGS.contexts if c]
+  if not contexts:  # --contexts= times only the peers and the attention-only configuration
+    res["smollm2"] = []
+    return
   att = AttentionConfig(kind="magicpig", num_bits=FLAGS.num_bits, num_tables=FLAGS.num_tables,
                         threads=FLAGS.threads, store_dtype=FLAGS.store_dtype)
   cfg = make_config(max(contexts) + 512, att)
