@@ -44,13 +44,13 @@ int main() {
   std::normal_distribution<float> normal(0.f, 3.f);
   volatile float sink = 0.f;
   for (int64_t n : {4096, 8192, 32768, 131072}) {
-    const int64_t k = ProxyKeepCount(0.03f, n), m = n / kSampleStride;
-    const int64_t r = std::min(m - 1, k / kSampleStride + k / (4 * kSampleStride) + 4);
+    const int64_t k = ProxyKeepCount(0.03f, n), m = n / 16;  // SampleThreshold's stride
+    const int64_t r = std::min(m - 1, k / 16 + k / 64 + 4);
     std::vector<float> s(kHeads * n), sample(kHeads * m), kept(kHeads * n), tmp(2 * n);
     std::vector<int64_t> nkept(kHeads);
     for (auto& x : s) x = std::nearbyint(normal(rng) * 128.f) / 128.f;
     for (int h = 0; h < kHeads; ++h) {
-      for (int64_t j = 0; j < m; ++j) sample[h * m + j] = s[h * n + j * kSampleStride];
+      for (int64_t j = 0; j < m; ++j) sample[h * m + j] = s[h * n + j * 16];
       const float theta = LargestAt(&sample[h * m], m, r, tmp.data());
       for (int64_t i = 0; i < n; ++i) {
         kept[h * n + nkept[h]] = s[h * n + i];
@@ -73,7 +73,7 @@ int main() {
     std::vector<int32_t> ids, sel(n + kScanSlack);
     const double select = BestUs(kHeads, [&](int h) {
       float tau = 0.f, z = 0.f;
-      avx2::SelectTop(&s[h * n], &sample[h * m], n, k, buf, ids, sel.data(), &tau, &z);
+      avx2::SelectTop(&s[h * n], n, k, buf, ids, sel.data(), &tau, &z);
       sink = tau + z;
     });
     std::printf("n %6lld (k %4lld): sample rank of %5lld: nth_element %6.1f us, bins %6.1f us; "

@@ -364,35 +364,25 @@ inline float LargestAt(const float* v, int64_t m, int64_t r, float* tmp) {
   return tmp[r - above];
 }
 
-// The sampled threshold reads every kSampleStride-th score.
-constexpr int64_t kSampleStride = 16;
-
-// KthLargest's threshold from the scores s[0], s[16], ... of s[0, n): sample rank a quarter
-// above k's expected rank (plus a margin), which usually keeps 1.25 k + 64 of n. `sample`, if
-// not null, holds those n / 16 scores already gathered (the store's scan writes them while the
-// scores are in cache; gathering them here touches every cache line of s). Uses buf[0, n / 8).
-inline float SampleThreshold(const float* s, const float* sample, int64_t n, int64_t k,
-                             std::vector<float>& buf) {
-  const int64_t m = n / kSampleStride;
+// KthLargest's threshold from every 16th score: sample rank a quarter above k's expected rank
+// (plus a margin), which usually keeps 1.25 k + 64 of n. Uses buf[0, n / 8).
+inline float SampleThreshold(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
+  constexpr int64_t kStride = 16;
+  const int64_t m = n / kStride;
   if (buf.size() < size_t(n)) buf.resize(n);
-  if (!sample) {
-    for (int64_t j = 0; j < m; ++j) buf[j] = s[j * kSampleStride];
-    sample = buf.data();
-  }
-  const int64_t r = std::min(m - 1, k / kSampleStride + k / (4 * kSampleStride) + 4);
-  return LargestAt(sample, m, r, buf.data() + m);
+  for (int64_t j = 0; j < m; ++j) buf[j] = s[j * kStride];
+  const int64_t r = std::min(m - 1, k / kStride + k / (4 * kStride) + 4);
+  return LargestAt(buf.data(), m, r, buf.data() + m);
 }
 
 // The k-th largest of s[0, n) (1 <= k <= n). Below kSampleMinScores scores, or for large k, a
-// selection over all of them; otherwise a threshold from a strided sample (`sample`: as for
-// SampleThreshold) first filters the scores down to a few more than k (one vectorisable pass),
-// and the selection runs over those. The result is exact either way: a sample threshold that
-// keeps fewer than k falls back.
-inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>& buf,
-                        const float* sample = nullptr) {
+// selection over all of them; otherwise a threshold from a strided sample first filters the
+// scores down to a few more than k (one vectorisable pass), and the selection runs over those.
+// The result is exact either way: a sample threshold that keeps fewer than k falls back.
+inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>& buf) {
   buf.resize(2 * n);
   if (n >= kSampleMinScores && k * 8 <= n) {
-    const float theta = SampleThreshold(s, sample, n, k, buf);
+    const float theta = SampleThreshold(s, n, k, buf);
     int64_t kept = 0;
     for (int64_t i = 0; i < n; ++i) {
       buf[kept] = s[i];
@@ -405,14 +395,12 @@ inline float KthLargest(const float* s, int64_t n, int64_t k, std::vector<float>
 
 // Selection and tail sum of one head: keeps (ascending, into sel; returns the count) the ids
 // with s >= tau, tau the k-th largest of s[0, n), and returns tau and z = sum of exp(s - tau)
-// over the others. Writes up to kScanSlack ids past the last kept one. `sample`: null, or every
-// kSampleStride-th score already gathered (SampleThreshold).
+// over the others. Writes up to kScanSlack ids past the last kept one.
 namespace scalar {
-inline int64_t SelectTop(const float* s, const float* sample, int64_t n, int64_t k,
-                         std::vector<float>& buf, std::vector<int32_t>& ids, int32_t* sel,
-                         float* tau, float* z) {
+inline int64_t SelectTop(const float* s, int64_t n, int64_t k, std::vector<float>& buf,
+                         std::vector<int32_t>& ids, int32_t* sel, float* tau, float* z) {
   (void)ids;
-  *tau = KthLargest(s, n, k, buf, sample);
+  *tau = KthLargest(s, n, k, buf);
   return SplitAtThreshold(s, n, *tau, sel, z);
 }
 }  // namespace scalar
@@ -426,14 +414,14 @@ namespace avx2 {
 // ones below tau join the tail: z = exp(theta - tau) * sum_{s < theta} exp(s - theta) +
 // sum_{theta <= s < tau} exp(s - tau). The same result as the scalar path up to float rounding
 // of z. Falls back to it when the sample threshold keeps fewer than k.
-PIGJAX_AVX2 inline int64_t SelectTop(const float* s, const float* sample, int64_t n, int64_t k,
+PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
                                      std::vector<float>& buf, std::vector<int32_t>& ids,
                                      int32_t* sel, float* tau, float* z) {
   if (n < kSampleMinScores || k * 8 > n) {
     *tau = KthLargest(s, n, k, buf);
     return SplitAtThreshold(s, n, *tau, sel, z);
   }
-  const float theta = SampleThreshold(s, sample, n, k, buf);
+  const float theta = SampleThreshold(s, n, k, buf);
   ids.resize(n + 8);
   float* vb = buf.data();
   int32_t* ib = ids.data();
@@ -467,8 +455,8 @@ struct ProxyOps {
   const char* isa;
   void (*scores)(const ProxyLayout&, const uint8_t*, int64_t, int64_t, const int8_t*,
                  const float*, int, float*, int64_t);
-  int64_t (*select)(const float*, const float*, int64_t, int64_t, std::vector<float>&,
-                    std::vector<int32_t>&, int32_t*, float*, float*);
+  int64_t (*select)(const float*, int64_t, int64_t, std::vector<float>&, std::vector<int32_t>&,
+                    int32_t*, float*, float*);
 };
 
 inline const ProxyOps& GetProxyOps() {

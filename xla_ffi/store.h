@@ -356,8 +356,7 @@ class Store {
     for (const auto& c : item_cand_) b += 4 * c.capacity();
     b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity() +
               item_w_.capacity() + item_sw_.capacity() + item_bias_.capacity() +
-              item_tail_.capacity() + score_.capacity() + score_sample_.capacity()) +
-         item_wq_.capacity();
+              item_tail_.capacity() + score_.capacity()) + item_wq_.capacity();
     return b;
   }
 
@@ -469,10 +468,9 @@ class Store {
   std::vector<float> item_q_, piece_o_, piece_mz_;
   std::vector<Piece> pieces_;
   // Proxy attend: per query head the scan's int8 weights [padded] and their scale, the bias, its
-  // tail's lse, the proxy scores of every pool token ([items, max pool]) and every
-  // kSampleStride-th of them ([items, max pool / kSampleStride + 1], gathered by the scan while
-  // they are in cache); item_w_ is the float weights of one head before rounding [padded].
-  std::vector<float> item_w_, item_sw_, item_bias_, item_tail_, score_, score_sample_;
+  // tail's lse, and the proxy scores of every pool token ([items, max pool]); item_w_ is the
+  // float weights of one head before rounding [padded].
+  std::vector<float> item_w_, item_sw_, item_bias_, item_tail_, score_;
   std::vector<int8_t> item_wq_;
 
   std::mutex mu_;  // one call at a time: calls mutate pools and share the scratch

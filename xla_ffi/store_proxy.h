@@ -94,7 +94,6 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     item_bias_.resize(items);
     item_tail_.resize(items);
     score_.resize(items * max_n);
-    score_sample_.resize(items * (max_n / kSampleStride + 1));
   } catch (const std::bad_alloc&) {
     return "store_attend: out of host memory for the proxy scan's scratch.";
   }
@@ -120,11 +119,8 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     item_bias_[i] = scale * (q_lo + q_mu);
   }
 
-  // Scan: pieces of (row, kv head, block of tokens), each scoring the kv head's query heads and
-  // copying every kSampleStride-th score into the heads' samples for the selection's threshold.
+  // Scan: pieces of (row, kv head, block of tokens), each scoring the kv head's query heads.
   constexpr int64_t kScanBlock = 4096;
-  static_assert(kScanBlock % kSampleStride == 0, "a scan block starts on a sampled token");
-  const int64_t ms = max_n / kSampleStride + 1;
   struct ScanPiece {
     int64_t b, kvh, t0, t1;
   };
@@ -144,11 +140,6 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     proxy_ops_.scores(l, Pool(a.layer, a.slots[sp.b], sp.kvh).codes.data(), sp.t0, sp.t1,
                       item_wq_.data() + i0 * dp, item_sw_.data() + i0, static_cast<int>(group),
                       score_.data() + i0 * max_n, max_n);
-    for (int64_t h = i0; h < i0 + group; ++h) {
-      const float* sc = score_.data() + h * max_n;
-      float* sample = score_sample_.data() + h * ms;
-      for (int64_t t = sp.t0; t < sp.t1; t += kSampleStride) sample[t / kSampleStride] = sc[t];
-    }
     if (prof) {
       scratch_[w].prof.lookup_ns += NowNs() - t0;
       scratch_[w].prof.bytes += (sp.t1 - sp.t0) * l.bytes;
@@ -165,9 +156,9 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
     const uint64_t t0 = prof ? NowNs() : 0;
     const float* sc = score_.data() + i * max_n;
     float tau = 0.f, z_rest = 0.f;
-    const int64_t count = proxy_ops_.select(sc, score_sample_.data() + i * ms, p.n,
-                                            ProxyKeepCount(c.proxy_fraction, p.n), s.select,
-                                            s.select_ids, item_cand_[i].data(), &tau, &z_rest);
+    const int64_t count = proxy_ops_.select(sc, p.n, ProxyKeepCount(c.proxy_fraction, p.n),
+                                            s.select, s.select_ids, item_cand_[i].data(), &tau,
+                                            &z_rest);
     a.count[i] = static_cast<int32_t>(count);
     // Scores left out the head's bias (the same for every token): the tail's lse adds it back.
     if (c.proxy_tail && z_rest > 0.f) item_tail_[i] = item_bias_[i] + tau + std::log(z_rest);
