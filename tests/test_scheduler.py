@@ -188,3 +188,97 @@ def test_place_for_moves_magicpig_to_the_cpu_when_jax_defaults_elsewhere(monkeyp
     assert "runs on the CPU" in capsys.readouterr().err
   finally:
     jax.config.update("jax_default_device", None)
+
+
+class _Unchecked(RequestParams):
+  """Settings that skip `validate`, as a caller that forgot to validate would submit them."""
+
+  def validate(self) -> None:
+    pass
+
+
+def _collecting():
+  outs = {}
+  return outs, lambda o: outs.setdefault(o.request_id, []).append(o)
+
+
+def _finals(outs, rid):
+  return [o for o in outs[rid] if o.finish_reason is not None]
+
+
+def test_a_row_that_fails_admission_fails_alone(sched, monkeypatch):
+  """A top_k past int32 (the operand it is copied into) fails in admission: that request ends
+  with one error Output and its row is freed; the requests beside it get the tokens they get
+  alone, and so does one admitted into the failed request's row afterwards."""
+  greedy = RequestParams(max_tokens=20)
+  alone = [run(sched, [p], [greedy])[0][0] for p in PROMPTS[:3]]
+  outs, emit = _collecting()
+  good = sched.submit(PROMPTS[0], greedy, emit)
+  for _ in range(2):
+    sched.step()
+  bad = sched.submit(PROMPTS[1], _Unchecked(max_tokens=20, temperature=0.5, top_k=2**31), emit)
+  later = sched.submit(PROMPTS[2], greedy, emit)
+  sched.run_until_idle()
+  [final] = _finals(outs, bad)
+  assert final.finish_reason == "error" and "OverflowError" in final.error
+  for rid, want in [(good, alone[0]), (later, alone[2])]:
+    assert [f.finish_reason for f in _finals(outs, rid)] == ["length"]
+    assert [t for o in outs[rid] for t in o.token_ids] == want
+  assert sched.num_running == 0 and sched.num_waiting == 0
+  with pytest.raises(ValueError, match="top_k"):  # validated submits never get that far
+    sched.submit(PROMPTS[1], RequestParams(top_k=2**31), emit)
+
+
+@pytest.mark.parametrize("stage", ["prefill_chunk", "admit"])
+def test_an_exception_in_one_prefill_or_admission_ends_only_that_request(sched, monkeypatch,
+                                                                          stage):
+  greedy = RequestParams(max_tokens=16)
+  alone = run(sched, [PROMPTS[3]], [greedy])[0][0]
+  real = getattr(sched.batch, stage)
+
+  def flaky(p, *args):
+    if p.prompt_ids == PROMPTS[4]:
+      raise RuntimeError("injected fault")
+    return real(p, *args)
+
+  monkeypatch.setattr(sched.batch, stage, flaky)
+  outs, emit = _collecting()
+  good = sched.submit(PROMPTS[3], greedy, emit)
+  sched.step()
+  bad = sched.submit(PROMPTS[4], greedy, emit)
+  sched.run_until_idle()
+  assert [(f.finish_reason, f.error) for f in _finals(outs, bad)] == [
+      ("error", "RuntimeError: injected fault")]
+  assert [f.finish_reason for f in _finals(outs, good)] == ["length"]
+  assert [t for o in outs[good] for t in o.token_ids] == alone
+  assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_a_failed_decode_step_ends_every_running_row_and_serving_goes_on(sched, monkeypatch):
+  """The shared step failing ends each running request with one error Output (none is left
+  hanging); the request being prefilled meanwhile, and later ones, decode as they do alone on
+  the rebuilt running cache."""
+  greedy = RequestParams(max_tokens=12)
+  alone = run(sched, [PROMPTS[0]], [greedy])[0][0]
+  real = sched.batch.step
+  calls = []
+
+  def fails_once(*args):
+    calls.append(1)
+    if len(calls) == 4:
+      raise RuntimeError("injected decode fault")
+    return real(*args)
+
+  monkeypatch.setattr(sched.batch, "step", fails_once)
+  outs, emit = _collecting()
+  running = [sched.submit(PROMPTS[i], greedy, emit) for i in (1, 2)]
+  while sched.num_running < 2:
+    sched.step()
+  prefilling = sched.submit(PROMPTS[0], greedy, emit)  # 90 tokens: 3 chunks, across the fault
+  sched.run_until_idle()
+  for rid in running:
+    assert [(f.finish_reason, f.error) for f in _finals(outs, rid)] == [
+        ("error", "RuntimeError: injected decode fault")]
+  assert [t for o in outs[prefilling] for t in o.token_ids] == alone
+  assert run(sched, [PROMPTS[0]], [greedy])[0][0] == alone
+  assert sched.num_running == 0 and sched.num_waiting == 0

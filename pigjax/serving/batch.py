@@ -116,14 +116,16 @@ class SlotBatch:
       the first generated token id.
     """
     assert p.finished
+    # The row's settings as [1] operands first: a value they cannot hold fails here, before
+    # the running cache is touched.
+    rows = sampling.RowSampling.from_rows([row])
+    full = needs_full_sampler([row])
     self.free(slot)
     args = (self.cache, p.cache, jnp.int32(slot))
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
       insert = self.engine._compile("insert_row", self.backend.insert_row, (), (0,), *args)
       self.cache = insert(*args)
-    rows = sampling.RowSampling.from_rows([row])
-    full = needs_full_sampler([row])
     args = (self.params, p.last_hidden_1E, jnp.asarray([seed], jnp.int32),
             jnp.zeros((1,), jnp.int32), rows,
             jnp.asarray(history_S[None] if full else np.zeros((1, 1), np.int32)))
@@ -137,6 +139,13 @@ class SlotBatch:
                                 penalize=full, stochastic=full, prev_tokens_BT=history_BS)
 
   # -- decode -------------------------------------------------------------------------------
+
+  def reset(self) -> None:
+    """A fresh, empty running cache (every row free), after a failed step whose donated
+    buffers may be gone. The compiled programs are kept: the shapes are unchanged."""
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      self.cache = self.backend.init_running(self.slots, self.cache_len, self.cache_dtype)
 
   def free(self, slot: int) -> None:
     """Releases a row's host resources (its host-store slot) once dispatched work is done."""

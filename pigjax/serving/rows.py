@@ -3,7 +3,7 @@ running cache, and keep MagicPIG's generated-token buffers per row.
 
 A request is prefilled alone (batch 1, dense, in chunks) into its own cache; `insert_row` then
 copies it into row `slot` of the running batch's cache without touching the other rows. For
-MagicPIG the insert also hashes the request's pool into its host-store slot (DESIGN.md section 6).
+MagicPIG the insert also hashes the request's pool into its host-store slot (docs/serving.md).
 
 `MagicPigBackend` keeps one generated-buffer count for the whole batch, because `Engine.generate`
 starts every row together. Rows of a continuous batch join at different steps, so

@@ -1,6 +1,6 @@
 """Continuous batching: requests join free rows between decode steps and leave as soon as they end.
 
-Each `step()` does, in order (DESIGN.md section 6):
+Each `step()` does, in order (docs/serving.md):
   1. drop cancelled requests (their rows are free at once);
   2. if no prefill is in progress and a row is free, start prefilling the oldest waiting request
      alone (batch 1);
@@ -14,6 +14,12 @@ step. Nothing here knows about HTTP: `pigjax.serving.server` submits requests an
 Per-request text is produced on the host: new ids are decoded incrementally, stop ids and stop
 strings end a request (`sampling.StopChecker`), and text that could be the start of a stop string
 is held back until it is known not to be one.
+
+Faults stay with the request that caused them: an exception while one request is prefilled,
+admitted or has its token post-processed ends that request alone with finish_reason "error".
+Only a failure of the shared decode step ends every running row (each with an error Output);
+the running cache is then rebuilt, and waiting requests are served as usual. Every submitted
+request gets exactly one final Output.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import random
 import threading
 from typing import Callable, Sequence
@@ -48,11 +55,33 @@ class RequestParams:
   ignore_eos: bool = False  # keep going past end-of-sequence ids (benchmarks)
 
   def validate(self) -> None:
-    """Raises ValueError naming the first bad field (OpenAI's names)."""
-    if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+    """Raises ValueError naming the first bad field (OpenAI's names).
+
+    Beyond each field's meaning, every value must fit the [B] operands it is copied into
+    (int32 counts, float32 settings), so a bad value fails its own submit, never a decode step.
+    """
+    for name in ("max_tokens", "top_k"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or not -2**31 <= v < 2**31:
+        raise ValueError(f"{name} must be an integer that fits int32, got {v!r}.")
+    if self.max_tokens < 1:
       raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}.")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+          abs(v) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number, got {v!r}.")
+    if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+      raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
+    if not (isinstance(self.stop, tuple) and all(isinstance(x, str) for x in self.stop)):
+      raise ValueError(f"stop must be a tuple of strings, got {self.stop!r}.")
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}.")
     sampling.validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p,
                                self.repetition_penalty)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class PromptTooLong(ValueError):
@@ -180,16 +209,28 @@ class Scheduler:
         req = self._waiting.popleft() if slot is not None else None
       if req is not None:
         req.slot = slot
-        self._prefill = (req, self.batch.start_prefill(req.prompt_ids))
+        try:
+          self._prefill = (req, self.batch.start_prefill(req.prompt_ids))
+        except Exception as e:
+          self._fail_request(req, e, "prefill")
+        did = True
     if self._prefill is not None:
       req, p = self._prefill
-      self.batch.prefill_chunk(p)
-      if p.finished:
+      try:
+        self.batch.prefill_chunk(p)
+        if p.finished:
+          self._prefill = None
+          self._admit(req, p)
+      except Exception as e:
         self._prefill = None
-        self._admit(req, p)
+        self._fail_request(req, e, "admission")
       did = True
     if self.num_running:
-      self._decode()
+      try:
+        self._decode()
+      except Exception as e:  # the shared step: every running row is lost, the server is not
+        log.exception("decode step failed")
+        self._fail_running(f"{type(e).__name__}: {e}")
       did = True
     return did
 
@@ -211,9 +252,12 @@ class Scheduler:
         break
       try:
         self.step()
-      except Exception as e:  # keep serving: fail the requests in flight, not the server
-        log.exception("decode step failed")
-        self._fail_all(f"{type(e).__name__}: {e}")
+      except Exception as e:  # a bug outside the guarded stages: keep serving all the same
+        log.exception("scheduler step failed")
+        if self._prefill is not None:
+          req, self._prefill = self._prefill[0], None
+          self._fail_request(req, e, "scheduling")
+        self._fail_running(f"{type(e).__name__}: {e}")
 
   def start(self) -> None:
     self._thread = threading.Thread(target=self.run_forever, name="pigjax-scheduler",
@@ -242,7 +286,10 @@ class Scheduler:
       self._prefill = None
     for req in list(self._rows):
       if req is not None and req.id in cancelled:
-        self._finish(req, "", "cancelled")
+        try:
+          self._finish(req, "", "cancelled")
+        except Exception as e:
+          self._fail_request(req, e, "cancellation")
     return True
 
   def _admit(self, req: _Request, p: Prefill) -> None:
@@ -267,7 +314,10 @@ class Scheduler:
     for b, req in enumerate(self._rows):
       if req is not None:
         self._counters_B[b] += 1
-        self._on_token(req, int(next_B[b]))
+        try:
+          self._on_token(req, int(next_B[b]))
+        except Exception as e:  # e.g. its stop check: this row's fault, not its neighbours'
+          self._fail_request(req, e, "decoding")
 
   def _on_token(self, req: _Request, tok: int) -> None:
     b = req.slot
@@ -309,20 +359,48 @@ class Scheduler:
     except Exception:  # a broken consumer must not stop the other requests
       log.exception("output callback failed for %s", req.id)
 
-  def _fail_all(self, message: str) -> None:
-    reqs = [r for r in self._rows if r is not None]
-    if self._prefill is not None:
-      reqs.append(self._prefill[0])
-      self._prefill = None
-    for req in reqs:
-      if req.slot >= 0 and self._rows[req.slot] is req:
-        self._rows[req.slot] = None
-        self._params[req.slot] = RequestParams()
-      try:
-        req.on_output(Output(req.id, "", [], "error", len(req.prompt_ids), len(req.new_ids),
-                             error=message))
+  def _release(self, req: _Request) -> None:
+    """Takes `req` out of its row (if it holds one) and resets the row's host state."""
+    b = req.slot
+    if 0 <= b < len(self._rows) and self._rows[b] is req:
+      self._rows[b] = None
+    if 0 <= b < len(self._rows) and self._rows[b] is None:
+      self._params[b] = RequestParams()
+      self._history_BS[b] = -1
+      self._tokens_B[b] = 0
+
+  def _fail_request(self, req: _Request, error: Exception, stage: str) -> None:
+    """Ends one request with an error Output; its row (if any) is freed for the next request."""
+    log.error("request %s failed during %s", req.id, stage, exc_info=error)
+    self._release(req)
+    if 0 <= req.slot < len(self._rows) and self._rows[req.slot] is None:
+      try:  # a half-done admission may have written the row's host-store slot
+        self.batch.free(req.slot)
       except Exception:
-        log.exception("output callback failed for %s", req.id)
+        log.exception("freeing row %d after %s failed", req.slot, req.id)
+    self._emit_error(req, f"{type(error).__name__}: {error}")
+
+  def _fail_running(self, message: str) -> None:
+    """Ends every running request with an error Output and rebuilds the running cache, whose
+    buffers a failed step may have consumed (it donates them). A request being prefilled keeps
+    its own cache and goes on."""
+    reqs = [r for r in self._rows if r is not None]
+    for req in reqs:
+      self._release(req)
+    try:
+      self.batch.reset()
+    except Exception:
+      log.exception("rebuilding the running cache failed")
+    for req in reqs:
+      self._emit_error(req, message)
+
+  def _emit_error(self, req: _Request, message: str) -> None:
+    self.finished["error"] += 1
+    try:
+      req.on_output(Output(req.id, "", [], "error", len(req.prompt_ids), len(req.new_ids),
+                           error=message))
+    except Exception:
+      log.exception("output callback failed for %s", req.id)
 
 
 def _safe_prefix(text: str, stops: Sequence[str]) -> str:
