@@ -7,10 +7,11 @@ r"""Serve a model over an OpenAI-compatible HTTP API with continuous batching.
 Then, for example, `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`.
 Needs the `serve` extra (`pip install -e ".[serve]"`: fastapi, uvicorn). A bad flag, setting or
 path ends the start with one `pigjax: error: ...` line; `--debug` (or PIGJAX_DEBUG=1) shows the
-traceback instead.
+traceback instead. The port is bound before the model loads, so a busy port is reported at once.
 """
 
 import os
+import socket
 import sys
 
 from absl import app, flags
@@ -42,6 +43,7 @@ def serve(argv):
     from pigjax.serving.service import build_service
   except ImportError as e:
     raise ValueError(f"pigjax.serve needs the serve extra: pip install -e '.[serve]' ({e}).")
+  sock = bind(_HOST.value, _PORT.value)
   import jax
   if _CACHE.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
@@ -49,12 +51,31 @@ def serve(argv):
   s = service.cfg.serve
   print(f"pigjax: serving '{service.model_name}' ({service.cfg.attention.kind} attention, "
         f"{s.slots} slots x {service.scheduler.context_limit} tokens) on "
-        f"http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr, flush=True)
+        f"http://{_HOST.value}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
   try:
-    uvicorn.run(service.app, host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value,
-                access_log=_LOG_LEVEL.value in ("debug", "info"))
+    config = uvicorn.Config(service.app, log_level=_LOG_LEVEL.value,
+                            access_log=_LOG_LEVEL.value in ("debug", "info"))
+    uvicorn.Server(config).run(sockets=[sock])
   finally:
     service.scheduler.stop()
+
+
+def bind(host: str, port: int) -> socket.socket:
+  """A socket bound to host:port (uvicorn listens on it once the model is loaded)."""
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+  except socket.gaierror as e:
+    raise ValueError(f"--host {host} is not an address this machine can listen on ({e}).")
+  family, kind, proto, _, addr = infos[0]
+  sock = socket.socket(family, kind, proto)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart at once
+  try:
+    sock.bind(addr)
+  except OSError as e:
+    sock.close()
+    raise ValueError(f"Cannot listen on {host}:{port}: {e.strerror or e} (another server may "
+                     "be using the port; pick another with --port).") from None
+  return sock
 
 
 def main(argv):
