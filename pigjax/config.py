@@ -156,6 +156,8 @@ class ServeConfig:
   """max_tokens of a request that gives none (capped by the context)."""
   model_name: str = ""
   """The model id /v1/models reports and requests name; "" takes it from the checkpoint."""
+  max_body_bytes: int = 8 * 2**20
+  """The largest request body accepted, in bytes; a larger one gets 413 before it is parsed."""
 
 
 @dataclasses.dataclass(frozen=True)

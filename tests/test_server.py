@@ -34,15 +34,15 @@ def _free_port() -> int:
 
 
 class Server:
-  def __init__(self, ckpt: Path, kind: str, log: Path):
-    self.port = _free_port()
+  def __init__(self, ckpt: Path, kind: str, log: Path, extra_args=(), port=None):
+    self.port = port or _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log = log
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "pigjax.serve", "--config=configs/tiny.py",
          f"--config.checkpoint={ckpt}", f"--config.attention.kind={kind}",
          f"--config.serve.slots={SLOTS}", f"--config.serve.model_name={MODEL}",
-         "--compilation_cache=", f"--port={self.port}"],
+         "--compilation_cache=", f"--port={self.port}", *extra_args],
         cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_user_env())
 
   def wait_ready(self, timeout=600):

@@ -4,10 +4,16 @@ Only the fields pigjax acts on are read; a field pigjax cannot honour (n > 1, lo
 non-zero presence/frequency penalties, tools) is refused with a 400 that names it rather than
 silently ignored. Sampling extensions accepted beside OpenAI's own: top_k, min_p,
 repetition_penalty, and ignore_eos (vLLM's: generate max_tokens tokens, for benchmarks).
+
+Every field is checked for its JSON type and for a range that fits the scheduler's per-row
+operands (int32 and float32) before the request is queued, so nothing a client sends can fail
+inside the shared decode step. Booleans must be JSON booleans: "false" is a non-empty string.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any
@@ -32,19 +38,94 @@ def _bad(param: str, message: str) -> ApiError:
   return ApiError(400, message, param=param)
 
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # OpenAI's (and vLLM's) range for seed
+MAX_PENALTY = 100.0  # repetition_penalty's upper bound: finite in float32, far past any use
+MAX_INT_DIGITS = 40  # longer integer literals are kept as `_LongInt`, never converted
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _LongInt:
+  """An integer literal too long to be any field's value (Python refuses to convert 4,300+
+  digits, and converting one costs quadratic time); `_number` reports it as out of range, and
+  every other field rejects it as not of its type."""
+
+  def __init__(self, literal: str):
+    self.digits = len(literal.lstrip("-"))
+
+
+def parse_body(raw: bytes) -> dict:
+  """The request body as a JSON object; raises ApiError(400) for anything else.
+
+  Rejected here, before any field is read: invalid JSON or UTF-8, nesting past the parser's
+  recursion limit, and lone surrogates (\\ud800 escapes), which no tokenizer can encode.
+  """
+  try:
+    body = json.loads(raw, parse_int=lambda s: int(s) if len(s) <= MAX_INT_DIGITS else
+                      _LongInt(s))
+  except RecursionError as e:
+    raise ApiError(400, "The request body is nested too deeply to be parsed.") from e
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise ApiError(400, f"The request body is not valid JSON ({e}).") from e
+  if not isinstance(body, dict):
+    raise ApiError(400, "The request body must be a JSON object.")
+  where = _find_surrogate(body)
+  if where is not None:
+    raise _bad(where, f"'{where}' contains a lone UTF-16 surrogate (an unpaired \\ud800-"
+                      "\\udfff escape), which is not text.")
+  return body
+
+
+def _find_surrogate(body: dict) -> str | None:
+  """The path (OpenAI style, e.g. messages[0].content) of the first string or key holding a
+  lone surrogate, or None. Iterative: the parser already bounds the depth, this adds no limit."""
+  todo: list[tuple[str, Any]] = [("", body)]
+  while todo:
+    path, v = todo.pop()
+    if isinstance(v, str):
+      if _SURROGATE.search(v):
+        return path or "body"
+    elif isinstance(v, dict):
+      for k, x in v.items():
+        key = f"{path}.{k}" if path else k
+        if _SURROGATE.search(k):
+          return path or "body"
+        todo.append((key, x))
+    elif isinstance(v, list):
+      todo.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+  return None
+
+
 def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_open=False):
   v = body.get(name, default)
   if v is None:
     return default
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and
-                                                                   not float(v).is_integer()):
+  rng = (f"{'>' if lo_open else '>='} {lo}" if hi is None else
+         f"in {'(' if lo_open else '['}{lo}, {hi}]")
+  if isinstance(v, _LongInt):
+    raise _bad(name, f"'{name}' must be {rng}, got an integer of {v.digits} digits.")
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+      kind is int and isinstance(v, float) and not v.is_integer()):
     raise _bad(name, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got "
-                     f"{v!r}.")
+                     f"{_short(v)}.")
   if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-    rng = (f"{'>' if lo_open else '>='} {lo}" if hi is None else
-           f"in {'(' if lo_open else '['}{lo}, {hi}]")
     raise _bad(name, f"'{name}' must be {rng}, got {v!r}.")
   return kind(v)
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+  """A JSON boolean field (null or absent: the default)."""
+  v = body.get(name)
+  if v is None:
+    return default
+  if not isinstance(v, bool):
+    raise _bad(name, f"'{name}' must be true or false, got {_short(v)}.")
+  return v
+
+
+def _short(v: Any) -> str:
+  r = repr(v)
+  return r if len(r) <= 60 else r[:57] + "..."
 
 
 def parse_params(body: dict, default_max_tokens: int) -> RequestParams:
@@ -55,12 +136,12 @@ def parse_params(body: dict, default_max_tokens: int) -> RequestParams:
   for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix"):
     if body.get(name) not in (None, False, {}, []):
       raise _bad(name, f"'{name}' is not supported by pigjax.")
-  if body.get("echo"):
+  if _flag(body, "echo"):
     raise _bad("echo", "'echo' is not supported by pigjax.")
   max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
   max_tokens = (default_max_tokens if max_tokens is None else
-                _number({name: max_tokens}, name, None, int, lo=1))
+                _number({name: max_tokens}, name, None, int, lo=1, hi=INT32_MAX))
   stop = body.get("stop")
   if stop is None:
     stop = ()
@@ -70,17 +151,16 @@ def parse_params(body: dict, default_max_tokens: int) -> RequestParams:
     stop = tuple(stop)
   else:
     raise _bad("stop", "'stop' must be a string or a list of at most 16 strings.")
-  seed = body.get("seed")
-  if seed is not None:
-    seed = _number(body, "seed", None, int)
   return RequestParams(
       max_tokens=max_tokens,
       temperature=_number(body, "temperature", 1.0, lo=0, hi=2),
       top_p=_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True),
-      top_k=_number(body, "top_k", 0, int, lo=0),
+      top_k=_number(body, "top_k", 0, int, lo=0, hi=INT32_MAX),
       min_p=_number(body, "min_p", 0.0, lo=0, hi=1),
-      repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True),
-      seed=seed, stop=tuple(s for s in stop if s), ignore_eos=bool(body.get("ignore_eos", False)))
+      repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0, hi=MAX_PENALTY,
+                                 lo_open=True),
+      seed=_number(body, "seed", None, int, lo=INT64_MIN, hi=INT64_MAX),
+      stop=tuple(s for s in stop if s), ignore_eos=_flag(body, "ignore_eos"))
 
 
 def check_model(body: dict, served: str) -> None:
@@ -117,9 +197,13 @@ def chat_messages(body: dict) -> list[dict]:
                                         "assistant, developer or tool.")
     content = m.get("content")
     if isinstance(content, list):
-      if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise _bad(f"messages[{i}].content", "Only text content parts are supported.")
-      content = "".join(str(p.get("text", "")) for p in content)
+      for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") != "text":
+          raise _bad(f"messages[{i}].content[{j}]", "Only text content parts are supported.")
+        if not isinstance(p.get("text"), str):
+          raise _bad(f"messages[{i}].content[{j}].text",
+                     f"messages[{i}].content[{j}].text must be a string.")
+      content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
       raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string.")
     role = "system" if m["role"] == "developer" else m["role"]
@@ -133,7 +217,15 @@ def include_usage(body: dict) -> bool:
     return False
   if not isinstance(opts, dict):
     raise _bad("stream_options", "'stream_options' must be an object.")
-  return bool(opts.get("include_usage"))
+  try:
+    return _flag(opts, "include_usage")
+  except ApiError as e:
+    e.param = "stream_options.include_usage"
+    raise
+
+
+def stream_flag(body: dict) -> bool:
+  return _flag(body, "stream")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

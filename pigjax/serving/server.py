@@ -2,7 +2,14 @@
 /health. It parses and validates requests, submits them to a `Scheduler` running on its own
 thread, and forwards each request's outputs, as server-sent events when `stream` is true.
 
-A client that disconnects cancels its request, so its row is freed for the next one.
+A client that disconnects cancels its request, so its row is freed for the next one: a stream
+notices when its next event cannot be sent, a non-streaming request polls for the disconnect
+every `DISCONNECT_POLL_S`.
+
+Nothing a client sends reaches the scheduler unchecked: the body is size-limited (413) and parsed
+strictly (`protocol.parse_body`), every field is validated (400 naming it), and tokenising runs
+off the event loop, so one large prompt does not stall `/health` or the other streams. Any
+other exception still answers in OpenAI's JSON error format (500).
 """
 
 from __future__ import annotations
@@ -19,16 +26,29 @@ from pigjax.serving import protocol
 from pigjax.serving.protocol import ApiError
 from pigjax.serving.scheduler import Output, PromptTooLong, Scheduler
 
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is there
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
 
 def create_app(scheduler: Scheduler, tokenizer, model_name: str, attention: str,
-               default_max_tokens: int) -> FastAPI:
-  """The FastAPI app over a started scheduler (`Scheduler.start`)."""
+               default_max_tokens: int,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+  """The FastAPI app over a started scheduler (`Scheduler.start`).
+
+  Args:
+    max_body_bytes: the largest request body accepted; a larger one gets 413 before parsing.
+  """
   app = FastAPI(title="pigjax", docs_url=None, redoc_url=None)
   created = int(time.time())
 
   @app.exception_handler(ApiError)
   async def _api_error(_, e: ApiError):
     return JSONResponse(e.body(), status_code=e.status)
+
+  @app.exception_handler(Exception)  # a bug: the client still gets JSON (uvicorn logs it)
+  async def _server_error(_, e: Exception):
+    return JSONResponse(ApiError(500, f"Internal error: {type(e).__name__}.",
+                                 type_="server_error").body(), status_code=500)
 
   @app.exception_handler(404)
   async def _not_found(request: Request, _):
@@ -53,28 +73,32 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, attention: str,
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    body = await _json_body(request)
+    body = await _json_body(request, max_body_bytes)
     protocol.check_model(body, model_name)
-    prompt_ids = tokenizer.encode(protocol.completion_prompt(body))
-    return await _generate(request, body, prompt_ids, chat=False)
+    prompt = protocol.completion_prompt(body)
+    params = protocol.parse_params(body, default_max_tokens)  # every field before the work
+    prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt)
+    return await _generate(request, body, params, prompt_ids, chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
-    body = await _json_body(request)
+    body = await _json_body(request, max_body_bytes)
     protocol.check_model(body, model_name)
     messages = protocol.chat_messages(body)
-    try:
-      text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:
-      raise ApiError(400, f"The chat template could not render these messages: {e}",
-                     param="messages") from e
-    return await _generate(request, body, tokenizer.encode(text), chat=True)
-
-  async def _generate(request: Request, body: dict, prompt_ids: list[int], chat: bool):
     params = protocol.parse_params(body, default_max_tokens)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-      raise ApiError(400, "'stream' must be true or false.", param="stream")
+
+    def render() -> list[int]:
+      try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+      except Exception as e:
+        raise ApiError(400, f"The chat template could not render these messages: {e}",
+                       param="messages") from e
+      return tokenizer.encode(text)
+
+    return await _generate(request, body, params, await asyncio.to_thread(render), chat=True)
+
+  async def _generate(request: Request, body: dict, params, prompt_ids: list[int], chat: bool):
+    stream = protocol.stream_flag(body)
     with_usage = protocol.include_usage(body) if stream else False
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
       # No explicit limit: generate up to the default, within what the context leaves.
@@ -99,18 +123,24 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, attention: str,
 
   async def _collect(request: Request, resp: protocol.Response, queue, rid: str):
     parts = []
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
       while True:
         try:
-          out = await asyncio.wait_for(queue.get(), timeout=1.0)
+          out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
+          out = None
+        if out is not None:
+          parts.append(out.text)
+          if out.finish_reason is not None:
+            break
+        # Checked on the clock, not only while no token comes: a fast decode never goes
+        # quiet, and a client that gave up must not hold its row until max_tokens.
+        if time.monotonic() >= next_check:
+          next_check = time.monotonic() + DISCONNECT_POLL_S
           if await request.is_disconnected():
             scheduler.cancel(rid)
             return JSONResponse({}, status_code=499)
-          continue
-        parts.append(out.text)
-        if out.finish_reason is not None:
-          break
     except asyncio.CancelledError:
       scheduler.cancel(rid)
       raise
@@ -148,15 +178,23 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, attention: str,
   return app
 
 
-async def _json_body(request: Request) -> dict:
-  raw = await request.body()
-  try:
-    body = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ApiError(400, f"The request body is not valid JSON ({e}).") from e
-  if not isinstance(body, dict):
-    raise ApiError(400, "The request body must be a JSON object.")
-  return body
+async def _json_body(request: Request, limit: int) -> dict:
+  """The parsed body; 413 past `limit` bytes, checked on Content-Length and while reading."""
+  too_big = ApiError(413, f"The request body is larger than this server's limit of {limit} "
+                          "bytes (serve.max_body_bytes).", code="request_too_large")
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > limit:
+    raise too_big
+  chunks, size = [], 0
+  async for chunk in request.stream():
+    size += len(chunk)
+    if size > limit:
+      raise too_big
+    chunks.append(chunk)
+  raw = b"".join(chunks)
+  if size > 2**16:  # parsing a large body takes long enough to stall the other requests
+    return await asyncio.to_thread(protocol.parse_body, raw)
+  return protocol.parse_body(raw)
 
 
 def _event(obj: dict) -> str:

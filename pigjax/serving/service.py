@@ -36,9 +36,12 @@ def build_scheduler(pipe: Pipeline, warmup: bool = True) -> Scheduler:
   batch = SlotBatch(cfg, pipe.model, cfg.serve.slots, limit)
   scheduler = Scheduler(batch, pipe.tokenizer, limit)
   if warmup:
+    outs = []
     scheduler.submit(pipe.tokenizer.encode("Hi") or [0], RequestParams(max_tokens=2),
-                     lambda _: None)
+                     outs.append)
     scheduler.run_until_idle()
+    if outs[-1].finish_reason == "error":  # the scheduler keeps serving; a server must not
+      raise RuntimeError(f"The warm-up request failed: {outs[-1].error}")
   return scheduler
 
 
@@ -48,10 +51,12 @@ def build_service(cfg: Config, progress: bool = False) -> Service:
   if cfg.serve.slots < 1 or cfg.serve.default_max_tokens < 1:
     raise ValueError(f"serve.slots ({cfg.serve.slots}) and serve.default_max_tokens "
                      f"({cfg.serve.default_max_tokens}) must be >= 1.")
+  if cfg.serve.max_body_bytes < 1:
+    raise ValueError(f"serve.max_body_bytes must be >= 1, got {cfg.serve.max_body_bytes}.")
   pipe = Pipeline.load(cfg, progress=progress)
   scheduler = build_scheduler(pipe)
   scheduler.start()
   name = model_name_for(cfg)
   app = create_app(scheduler, pipe.tokenizer, name, pipe.cfg.attention.kind,
-                   pipe.cfg.serve.default_max_tokens)
+                   pipe.cfg.serve.default_max_tokens, pipe.cfg.serve.max_body_bytes)
   return Service(pipe.cfg, pipe, scheduler, name, app)
