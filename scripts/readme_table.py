@@ -28,6 +28,7 @@ _QUALITY = flags.DEFINE_list(
     "estimator=eval_quality.py results: each file holds the dense and magicpig_ffi records of a "
     "run with that --config.attention.estimator.")
 _LENGTH = flags.DEFINE_integer("length", 8192, "Context length of the quality table.")
+_DETAIL = flags.DEFINE_bool("detail", False, "Print BENCHMARKS.md's detailed decode table instead.")
 
 
 def _context(row: dict) -> str:
@@ -54,6 +55,25 @@ def speed_table(results: list[dict]) -> str:
                f"{r['proxy_ms']:.1f} ms ({d / r['proxy_ms']:.2f}x)" if "proxy_ms" in r else "-",
                _peer(peer[r["context"]], d, r["magicpig_ms"]) if r["context"] in peer else "-",
                f"{100 * r['candidate_fraction']:.1f}%"]
+      lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def detail_table(results: list[dict]) -> str:
+  """BENCHMARKS.md's decode table: medians with their IQR, and where MagicPIG's kernel time goes."""
+  lines = ["| context | dense ms | MagicPIG ms | proxy ms | MagicPIG reads | proxy reads | "
+           "kernel ms MagicPIG / proxy | MagicPIG lookup / score / softmax ms | kernel MB |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for res in results:
+    for r in res["smollm2"]:
+      if r["batch"] != 1:
+        continue
+      ms = lambda k: f"{r[k + '_ms']:.1f} ({r[k + '_iqr_ms']:.1f})"  # noqa: E731
+      cells = [_context(r), ms("dense"), ms("magicpig"), ms("proxy"),
+               f"{100 * r['candidate_fraction']:.1f}%", f"{100 * r['proxy_read_fraction']:.1f}%",
+               f"{r['kernel_ms_per_step']:.1f} / {r['proxy_kernel_ms_per_step']:.1f}",
+               f"{r['lookup_ms']:.1f} / {r['score_ms']:.1f} / {r['softmax_ms']:.1f}",
+               f"{r['kernel_bytes_per_step'] / 1e6:.0f}"]
       lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -90,6 +110,9 @@ def tables(decode_paths, quality_paths, length: int) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _DETAIL.value:
+    print(detail_table([json.loads((ROOT / p).read_text()) for p in _DECODE.value]))
+    return
   print(tables(_DECODE.value, _QUALITY.value, _LENGTH.value), end="")
 
 
