@@ -26,7 +26,6 @@ purelib="import sysconfig; print(sysconfig.get_paths()['purelib'])"
 main_site=$("$PY" -c "$purelib")
 echo "$main_site" > "$("$OUT/venv/bin/python" -c "$purelib")/pigjax_main_venv.pth"
 cp -r tests pyproject.toml "$OUT/site/"
-[ -d ../shared ] && ln -sfn "$PWD/../shared" "$OUT/shared"
 
 # 3. The tests, with libasan (then libstdc++) preloaded: jaxlib aborts at import otherwise.
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"

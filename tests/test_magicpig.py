@@ -2,24 +2,20 @@
 generated tokens joining the pool, and the step's outputs against the pure-jnp reference."""
 
 import dataclasses
-import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import reference
 import tiny_checkpoint
 from pigjax import lsh
 from pigjax.config import AttentionConfig, Config, SamplingConfig
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
 from pigjax.pipeline import Pipeline
-
-REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -129,10 +125,9 @@ def test_bad_magicpig_settings_are_refused(tiny):
     engine_with(tiny, num_bits=0)
 
 
-@pytest.mark.skipif(not REF.is_dir(), reason="no shared/reference")
 def test_smollm2_magicpig_with_everything_exact_equals_dense():
   """On the real model: sink + window cover the prompt -> token-for-token equal to dense."""
-  gpl = json.loads((REF / "smollm2_135m_gpl3_400.json").read_text())
+  gpl = reference.load("smollm2_135m_gpl3_400.json")
   cfg = Config(checkpoint="smollm2", max_seq_len=1024,
                attention=AttentionConfig(kind="magicpig", sink=4, window=512,
                                          generated_buffer=64))

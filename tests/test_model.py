@@ -1,4 +1,4 @@
-"""Model numerics against Hugging Face transformers (shared/reference), and engine invariants.
+"""Model numerics against Hugging Face transformers (tests/data/reference), and engine invariants.
 
 The reference was produced by transformers + PyTorch (float32) from the same GGUF, through
 transformers' own dequantiser and Q/K un-permutation: an independent implementation. Tolerances:
@@ -7,34 +7,29 @@ are ~1e-5 on values of magnitude ~20, so 2e-3 absolute leaves two orders of marg
 RoPE, norm epsilon or permutation moves logits by whole units.
 """
 
-import json
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import reference
 from pigjax import config
 from pigjax.attention import DenseCache, dense_attend
 from pigjax.config import Config, SamplingConfig
 from pigjax.model import rope_inv_freq
 from pigjax.pipeline import Pipeline
 
-REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 LOGIT_ATOL = 2e-3
-
-pytestmark = pytest.mark.skipif(not REF.is_dir(), reason=f"no reference values at {REF}")
 
 
 @pytest.fixture(scope="module")
 def ref():
-  return json.loads((REF / "smollm2_135m_transformers.json").read_text())
+  return reference.load("smollm2_135m_transformers.json")
 
 
 @pytest.fixture(scope="module")
 def gpl():
-  return json.loads((REF / "smollm2_135m_gpl3_400.json").read_text())
+  return reference.load("smollm2_135m_gpl3_400.json")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +75,7 @@ def test_gpl3_400_token_logits(pipe, gpl):
     got = logits[int(pos)]
     np.testing.assert_allclose(got[want["top5_ids"]], want["top5_logits"], atol=LOGIT_ATOL,
                                err_msg=f"position {pos}")
-  full = np.load(REF / "smollm2_135m_gpl3_400_last_logits.npy")
+  full = reference.load("smollm2_135m_gpl3_400_last_logits.npy")
   np.testing.assert_allclose(logits[-1], full, atol=LOGIT_ATOL)
 
 

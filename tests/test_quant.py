@@ -3,8 +3,6 @@ float32 matmul and the gguf package's own dequantiser, and the model's quantized
 
 import concurrent.futures
 import dataclasses
-import json
-from pathlib import Path
 
 import gguf
 import jax
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import reference
 from pigjax import _pigjax_ffi, quant
 from pigjax.attention import DenseCache, dense_attend
 from pigjax.config import Config, ModelConfig, SamplingConfig
@@ -276,10 +275,7 @@ def test_auto_weights_are_the_gguf_blocks_on_the_cpu_and_dense_elsewhere(monkeyp
     pipeline.resolve_weights(Config(checkpoint="smollm2", weights="q8_0"))
 
 
-# ---------------------------------------------------- the embedded model against shared/reference
-
-REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-needs_ref = pytest.mark.skipif(not REF.is_dir(), reason=f"no reference values at {REF}")
+# --------------------------------------------- the embedded model against tests/data/reference
 
 
 @pytest.fixture(scope="module")
@@ -322,14 +318,13 @@ def _decode_logits(model, ids, positions_wanted):
   return out
 
 
-@needs_ref
 @pytest.mark.parametrize("act_bits,tol", [(16, 0.05), (8, 1.1)])
 def test_quantized_decode_logits_near_float32_reference(qpipe, act_bits, tol):
   """Top-5 logits of one-token decode steps against transformers' float32 values. 16-bit
   activations land within rounding of float32. 8-bit ones land about where llama.cpp's own Q4_1 x
-  Q8 path does (shared/reference/smollm2_135m_gpl3_400_llamacpp.json: up to 0.99; measured here:
+  Q8 path does (tests/data/reference/smollm2_135m_gpl3_400_llamacpp.json: up to 0.99; pigjax:
   1.03 at position 50, where the reference's top logits are within 0.04 of each other)."""
-  gpl = json.loads((REF / "smollm2_135m_gpl3_400.json").read_text())
+  gpl = reference.load("smollm2_135m_gpl3_400.json")
   old = _with_act_bits(qpipe.model, act_bits)
   try:
     got = _decode_logits(qpipe.model, gpl["prompt_ids"], [0, 10, 50])
@@ -340,13 +335,12 @@ def test_quantized_decode_logits_near_float32_reference(qpipe, act_bits, tol):
     np.testing.assert_allclose(logits[want["top5_ids"]], want["top5_logits"], atol=tol)
 
 
-@needs_ref
 def test_quantized_greedy_continuation_equals_float32_reference(qpipe):
   """The default (16-bit activations) decodes greedily exactly like float32. (8-bit activations
   follow the GPL-3 continuation for 14 of 24 tokens and flip the README prompt's first answer
   token, a near tie 0.08 apart: why 16 bits is the default.)"""
-  ref = json.loads((REF / "smollm2_135m_transformers.json").read_text())
-  gpl = json.loads((REF / "smollm2_135m_gpl3_400.json").read_text())
+  ref = reference.load("smollm2_135m_transformers.json")
+  gpl = reference.load("smollm2_135m_gpl3_400.json")
   new, _, _ = qpipe.engine.generate([gpl["prompt_ids"]], SamplingConfig(max_new_tokens=24))
   assert new[0] == gpl["greedy_new_ids"]
   new, _, _ = qpipe.engine.generate([ref["chat_prompt_ids"]],
@@ -354,14 +348,13 @@ def test_quantized_greedy_continuation_equals_float32_reference(qpipe):
   assert new[0] == ref["greedy_new_ids"]
 
 
-@needs_ref
 def test_bfloat16_cache_decodes_greedily_like_float32(qpipe):
   """`cache_dtype="bfloat16"` (half the bytes a dense decode step reads) keeps both reference
   continuations, as the float32 cache does."""
   from pigjax import bench
   from pigjax.engine import Engine
-  ref = json.loads((REF / "smollm2_135m_transformers.json").read_text())
-  gpl = json.loads((REF / "smollm2_135m_gpl3_400.json").read_text())
+  ref = reference.load("smollm2_135m_transformers.json")
+  gpl = reference.load("smollm2_135m_gpl3_400.json")
   engine = Engine(dataclasses.replace(qpipe.cfg, cache_dtype="bfloat16"), qpipe.model)
   cache, _ = bench.real_prefill(engine, gpl["prompt_ids"][:64])
   assert cache.k[0].dtype == jnp.bfloat16 and cache.v[-1].dtype == jnp.bfloat16

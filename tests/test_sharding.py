@@ -1,4 +1,4 @@
-"""Sharding on a device mesh and multi-process runs (issue 9, items 1 and 2).
+"""Sharding on a device mesh and multi-process runs (docs/scaling.md).
 
 The number of CPU devices is fixed when jax starts, and this pytest process started it with one:
 the mesh runs happen in subprocesses (tests/sharding_worker.py, and `python -m pigjax.generate`
@@ -19,10 +19,10 @@ import pytest
 from pigjax import multihost, pipeline, sharding
 from pigjax.config import Config, MeshConfig, ModelConfig
 
+import reference
 from tiny_checkpoint import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-REF = ROOT.parent / "shared" / "reference"
 WORKER = ROOT / "tests" / "sharding_worker.py"
 TIMEOUT_S = 420  # generous: the machine that runs CI may be shared
 
@@ -68,11 +68,10 @@ def test_2x2_mesh_gives_the_one_device_tokens_dense_and_magicpig(tiny4, tmp_path
   assert calls[0][:2] == ["f32[2,4,16]", "f32[2,4]"]
 
 
-@pytest.mark.skipif(not REF.is_dir(), reason=f"no reference values at {REF}")
 def test_smollm2_on_a_data_axis_of_2_gives_the_reference_tokens(tmp_path):
-  # Two chat prompts whose greedy continuations transformers computed (shared/reference);
+  # Two chat prompts whose greedy continuations transformers computed (tests/data/reference);
   # tests/test_model.py checks that one device gives them.
-  ref = json.loads((REF / "smollm2_135m_transformers.json").read_text())
+  ref = reference.load("smollm2_135m_transformers.json")
   prompts = tmp_path / "prompts.json"
   prompts.write_text(json.dumps([ref["chat_prompt_ids"], ref["chat2_prompt_ids"]]))
   n = len(ref["greedy_new_ids"]) - 1  # the last reference token is the stop token

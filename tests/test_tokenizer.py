@@ -7,17 +7,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
+import reference
 from pigjax.tokenizer import Tokenizer
 
-REFERENCE = Path(__file__).parents[1].parent / "shared" / "reference"
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
-
-
-def _reference(name: str) -> dict:
-  path = REFERENCE / name
-  if not path.is_file():
-    pytest.skip(f"reference file {path} is absent (shared/reference is not checked out)")
-  return json.loads(path.read_text())
 
 
 def _embedded_gguf() -> Path:
@@ -42,12 +35,12 @@ def test_special_ids(tok):
 
 
 def test_fixed_prompt_ids(tok):
-  ref = _reference("smollm2_135m_transformers.json")
+  ref = reference.load("smollm2_135m_transformers.json")
   assert tok.encode(ref["fixed_prompt"]) == ref["fixed_prompt_ids"]
 
 
 def test_gpl3_prefix_ids(tok):
-  ref = _reference("smollm2_135m_gpl3_400.json")
+  ref = reference.load("smollm2_135m_gpl3_400.json")
   if not GPL3.is_file():
     pytest.skip(f"{GPL3} is absent (Debian base-files)")
   ids = tok.encode(GPL3.read_text(encoding="utf-8"))
@@ -56,7 +49,7 @@ def test_gpl3_prefix_ids(tok):
 
 @pytest.mark.parametrize("key", ["chat_prompt_ids", "chat2_prompt_ids"])
 def test_chat_template_reproduces_reference(tok, key):
-  ref = _reference("smollm2_135m_transformers.json")
+  ref = reference.load("smollm2_135m_transformers.json")
   # Recover the user message from the reference ids, then render it again from scratch.
   text = tok.decode(ref[key])
   user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]

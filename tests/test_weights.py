@@ -1,7 +1,6 @@
 """Tests for pigjax.weights: GGUF (real SmolLM2 and synthetic), HF safetensors, Orbax, dispatch."""
 
 import dataclasses
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import reference
 import tiny_checkpoint
 from pigjax import weights
 from pigjax.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = REPO.parent / "shared" / "reference"
 
 
 def llama_cpp_permute(weights_, n_head, n_head_kv):
@@ -111,10 +110,10 @@ def _numpy_llama_last_logits(cfg: ModelConfig, t, ids, unpermuted=True):
   return rms(x[-1], w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
 
 
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"no reference values at {REFERENCE}")
 def test_smollm2_logits_match_transformers_reference(smollm2):
-  """The loaded weights reproduce transformers' logits (shared/reference) via a numpy forward."""
-  ref = json.loads((REFERENCE / "smollm2_135m_transformers.json").read_text())
+  """The loaded weights reproduce transformers' logits (tests/data/reference) via a numpy
+  forward."""
+  ref = reference.load("smollm2_135m_transformers.json")
   cfg, tensors = smollm2
   logits = _numpy_llama_last_logits(cfg, tensors, ref["fixed_prompt_ids"])
   np.testing.assert_allclose(logits[:5], ref["last_logits_first5"], atol=2e-3)
