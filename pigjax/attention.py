@@ -106,8 +106,8 @@ def _block_scores(q_BKGTD: jax.Array, k_BKsD: jax.Array) -> jax.Array:
 
   For one query per row (decode) the keys are the dot's left operand, contracted on their minor
   axis, so XLA:CPU reads them in place; written as q @ k^T it first copies every key of the cache
-  into [d, s] order, a second pass over K per step that made the decode step up to 4x slower in
-  this dot (measured at 8k). Prefill chunks (T > 1) keep the q @ k^T form, a compute-bound GEMM.
+  into [d, s] order, a second pass over K per step that makes this dot up to 4x slower at 8k.
+  Prefill chunks (T > 1) keep the q @ k^T form, a compute-bound GEMM.
   """
   B, K, G, T, D = q_BKGTD.shape
   if T > 1:
@@ -189,8 +189,8 @@ def dense_attend(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache, host: bo
 
 
 def dense_attend_full(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache):
-  """dense_attend over the whole padded cache in one masked softmax (the pre-blocking path; kept
-  as the reference the blocked path is tested against)."""
+  """dense_attend over the whole padded cache in one masked softmax: the unblocked form, the
+  reference the blocked path is tested against."""
   k = write_kv(cache.k[layer], k_BTKD, cache.lengths_B)
   v = write_kv(cache.v[layer], v_BTKD, cache.lengths_B)
   T = q_BTHD.shape[1]

@@ -1,5 +1,6 @@
 """Decode-speed benchmarks: dense vs MagicPIG at long context, kernel roofline, prefill overhead,
-host memory per token, and llama.cpp as a peer (EVAL.md "Speed"; BENCHMARKS.md has the results).
+host memory per token, and llama.cpp as a peer (BENCHMARKS.md, "Method"; its tables hold the
+results).
 
 Long contexts are built from the real keys and values of a real, shorter prefill (`tile_cache`):
 prefilling 128k tokens of a real model on two CPU cores would take hours. Token p of the long
@@ -226,7 +227,7 @@ def with_rope_scaling(pipe, factor: float):
   checkpoint's trained context (ModelConfig.rope_original_max_position), the model's config set
   to match; factor 0 leaves the checkpoint's RoPE. How one runs a model past the context it was
   trained on: without it, keys at distances past that context rotate to angles the model never
-  saw, and MagicPIG's collisions there grow (BENCHMARKS.md, session 10)."""
+  saw, and MagicPIG's collisions there grow (BENCHMARKS.md, "Method")."""
   if factor < 0:
     raise ValueError(f"rope_scaling_factor must be >= 0 (0 = the checkpoint's RoPE), got {factor}")
   if not factor:

@@ -1,4 +1,4 @@
-"""Long benchmark contexts stitched from many different real documents (issue 11, part 4).
+"""Long benchmark contexts stitched from many different real documents.
 
 Prefilling 128k tokens of a real model on two CPU cores would take hours, and repeating one 2k
 source (`bench.tile_cache`) makes near-duplicate keys collide, so MagicPIG attends 4-10% of the

@@ -1,9 +1,9 @@
-"""Pool estimators beyond the paper's (issue 12): score-proxy top-k with a tail estimate.
+"""Pool estimators beyond the paper's: score-proxy top-k with a tail estimate.
 
 MagicPIG samples the pool by SimHash collisions, which see only the angle between query and key;
 attention weight grows with q . k = |q| |k| cos, so some heavy keys are never drawn and importance
-weights cannot correct a key that was never drawn (DESIGN.md section 6). The "proxy" estimator
-instead scores *every* pool key cheaply and reads only the best:
+weights cannot correct a key that was never drawn (docs/design.md, "Estimators"). The "proxy"
+estimator instead scores *every* pool key cheaply and reads only the best:
 
 1. Index (at prefill): the centred keys k~ = k - mu, quantized per channel to `proxy_bits` bits
    (uniform levels between the channel's min and max over the pool: 2 * D floats per head, and

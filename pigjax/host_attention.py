@@ -2,7 +2,7 @@
 
 A decode step's query against the dense cache is, in XLA:CPU, a chain of small ops per key block
 (dynamic slice, matrix-vector dot on the intra-op pool, masked softmax, another dot); at 4k tokens
-on SmolLM2 that chain was over half of the decode step's CPU time while the bytes it reads take
+on SmolLM2 that chain is over half of the decode step's CPU time while the bytes it reads take
 a few milliseconds. The handler (xla_ffi/decode_attention.h) reads each filled K and V row once
 for all query heads of its KV head, in row chunks split over the compute thread pool, and merges
 the chunks by log-sum-exp. `attention.decode_kernel` selects it ("auto": whenever the decode step

@@ -1,4 +1,4 @@
-"""Pure-jnp reference of MagicPIG's LSH-sampled attention (DESIGN.md section 1).
+"""Pure-jnp reference of MagicPIG's LSH-sampled attention (docs/design.md, "The algorithm").
 
 MagicPIG ("LSH Sampling for Efficient LLM Generation", arXiv 2410.16179, ICLR 2025) replaces
 attention over the long middle of the context (the *pool*) by a self-normalised importance-sampling
@@ -6,7 +6,7 @@ estimate. SimHash tables pick the keys that collide with the query in at least 2
 sampled key's score is corrected by -log u_i, u_i its probability of being sampled; and keys are
 centred on their mean before hashing, without which almost nothing collides (paper section 5.3).
 The pool estimate is merged with exact attention over sink, window and generated tokens by
-log-sum-exp. DESIGN.md section 1 gives every formula used here, numbered as its steps.
+log-sum-exp. docs/design.md, "The algorithm", gives every formula used here, numbered as its steps.
 
 Everything here is mask-based over the whole pool: O(n) per query, batch and heads vectorised,
 static shapes, jit-able. It is the oracle for the C++ FFI kernel and the engine of the quality
@@ -42,7 +42,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def simhash_matrix(seed: int, layer: int, head_dim: int, num_bits: int, num_tables: int,
                    per_layer: bool = True) -> jax.Array:
-  """The SimHash projection W (DESIGN.md 1.3): standard Gaussian, deterministic in the seed.
+  """The SimHash projection W (docs/design.md, "The algorithm", step 3): standard Gaussian,
+  deterministic in the seed.
 
   Args:
     seed: the config's hash seed.
@@ -82,7 +83,8 @@ def hash_codes(x: jax.Array, w: jax.Array, num_bits: int, num_tables: int) -> ja
 
 def centre_and_hash(k_BKTD: jax.Array, valid_BKT: jax.Array, w: jax.Array, num_bits: int,
                     num_tables: int) -> tuple[jax.Array, jax.Array]:
-  """Centres pool keys on their mean and hashes them (DESIGN.md 1.2-1.3, paper section 5.3).
+  """Centres pool keys on their mean and hashes them (docs/design.md, "The algorithm", steps 2-3;
+  paper section 5.3).
 
   Args:
     k_BKTD: pool keys (post-RoPE).
@@ -145,7 +147,8 @@ def log_collision_probability(cos: jax.Array, num_bits: int, num_tables: int) ->
 
 
 def collision_probability(cos: jax.Array, num_bits: int, num_tables: int) -> jax.Array:
-  """u = 1 - (1-P)^L - L P (1-P)^(L-1), P = (1 - arccos(cos)/pi)^num_bits (DESIGN.md 1.6)."""
+  """u = 1 - (1-P)^L - L P (1-P)^(L-1), P = (1 - arccos(cos)/pi)^num_bits (docs/design.md,
+  "The algorithm", step 6)."""
   return jnp.exp(log_collision_probability(cos, num_bits, num_tables))
 
 
@@ -196,7 +199,8 @@ def ungroup_heads(o_BKGD: jax.Array, lse_BKG: jax.Array) -> tuple[jax.Array, jax
 
 def candidate_mask(q_BHD: jax.Array, codes_BKTL: jax.Array, valid_BKT: jax.Array, w: jax.Array,
                    num_bits: int, num_tables: int) -> jax.Array:
-  """DESIGN.md 1.5: valid pool tokens colliding with the (uncentred) query in >= 2 tables.
+  """Valid pool tokens colliding with the (uncentred) query in >= 2 tables (docs/design.md, "The
+  algorithm", step 5).
 
   Returns:
     cand_BHT: bool.
@@ -269,7 +273,8 @@ def pool_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
                        valid_BKT: jax.Array, mu_BKD: jax.Array, w: jax.Array, num_bits: int,
                        num_tables: int, *, codes_BKTL: jax.Array | None = None,
                        scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Importance-weighted sampled attention over the pool (DESIGN.md 1.5-1.8).
+  """Importance-weighted sampled attention over the pool (docs/design.md, "The algorithm", steps
+  5-8).
 
   Candidates S: valid pool tokens whose code(k - mu) equals code(q) (q not centred) in >= 2
   tables. For i in S: cos_i = q.(k_i - mu) / (|q| |k_i - mu|), u_i = max(collision prob, U_FLOOR),
@@ -315,7 +320,7 @@ def pool_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
 def dense_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
                         valid_BKT: jax.Array,
                         scale: float | None = None) -> tuple[jax.Array, jax.Array]:
-  """Ordinary GQA softmax attention over the valid tokens (DESIGN.md 1.9).
+  """Ordinary GQA softmax attention over the valid tokens (docs/design.md, "The algorithm", step 9).
 
   Returns:
     o_BHD f32 (0 where no token is valid), lse_BH f32 (-inf where none is valid).
@@ -346,7 +351,7 @@ def topk_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
 
 def merge_attention(o1_BHD: jax.Array, lse1_BH: jax.Array, o2_BHD: jax.Array,
                     lse2_BH: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Log-sum-exp merge of two partial attentions (DESIGN.md 1.10).
+  """Log-sum-exp merge of two partial attentions (docs/design.md, "The algorithm", step 10).
 
   lse = logaddexp(lse1, lse2); o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2. A part with
   lse = -inf gets weight exactly 0 (so merging with an empty part returns the other part

@@ -1,5 +1,5 @@
 """MagicPIG decoding: exact attention over sink + window + generated tokens on the device, LSH-sampled
-attention over the pool in the host KV store (DESIGN.md sections 1 and 2).
+attention over the pool in the host KV store (docs/design.md, "The algorithm" and "The host store").
 
 Prefill is dense (every layer keeps a full cache while the prompt is read). `after_prefill` then,
 for every sparse layer, centres and hashes the pool keys in JAX and hands them to the host store
@@ -10,10 +10,11 @@ fills, its older half is hashed (with the pool's mean key) and appended to the p
 memory and step time stay bounded in long generations. On a device mesh (`pigjax.sharding`) each
 device inserts and attends inside `shard_map`, on a host store of its own rows and KV heads.
 
-With attention.estimator="proxy" (issue 12) the same backend runs the store's proxy estimator:
-nothing is hashed (the codes operands have 0 columns); the store quantizes the centred pool keys
-into its index at insert (appended generated keys with the pool's first statistics, clamped) and
-its attend returns the same (o, lse, count) over the pool, so the merge is unchanged.
+With attention.estimator="proxy" (docs/design.md, "Estimators") the same backend runs the store's
+proxy estimator: nothing is hashed (the codes operands have 0 columns); the store quantizes the
+centred pool keys into its index at insert (appended generated keys with the pool's first
+statistics, clamped) and its attend returns the same (o, lse, count) over the pool, so the merge
+is unchanged.
 
 Shape key:
   B batch   T tokens in this call   S dense cache positions   X exact-buffer entries
@@ -277,7 +278,7 @@ class MagicPigBackend:
       # One sparse layer at a time: the barrier makes this layer's keys (and so its hashing)
       # wait for the previous layer's insert. Without it XLA schedules every layer's hashing
       # before the first insert, and each layer's f32 projection [B, K, P, num_bits*num_tables]
-      # (55 MB for SmolLM2 at 3k tokens) is alive at once: 1.5 GB at the peak (issue 9).
+      # (55 MB for SmolLM2 at 3k tokens) is alive at once: 1.5 GB at the peak.
       k_BKSD, v_BKSD, out_len_B = jax.lax.optimization_barrier(
           (dense.k[layer], dense.v[layer], out_len_B))
       gather = lambda x_BKSD, idx_BJ: jnp.take_along_axis(

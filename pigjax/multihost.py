@@ -1,4 +1,4 @@
-"""Several processes, one program: jax's multi-controller runtime (DESIGN.md sections 6 and 7).
+"""Several processes, one program: jax's multi-controller runtime (docs/scaling.md).
 
 Every process runs the same code on its own share of the batch (`split`). Under a mesh whose
 "data" axis spans the processes (`pigjax.sharding`), each process feeds its own rows into the

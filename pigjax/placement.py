@@ -1,7 +1,7 @@
 """Where pigjax's programs run, and keeping jax's start-up chatter out of the user's way.
 
 MagicPIG's host KV store is driven by XLA FFI handlers registered for the CPU platform only
-(DESIGN.md section 6, "GPU (planned)"). On a machine with a GPU (a Colab runtime) jax places
+(docs/design.md, "Placement on a GPU host"). On a machine with a GPU (a Colab runtime) jax places
 computations on the GPU by default, and a jitted MagicPIG step would then fail to compile its
 custom calls. So whenever MagicPIG attention is used and the default platform is not the CPU,
 pigjax makes the CPU the default device (`jax_default_device`); dense attention keeps the GPU.

@@ -1,4 +1,4 @@
-"""Weight-quantized linear layers for the decode step (DESIGN.md section 6, "Quantized weights").
+"""Weight-quantized linear layers for the decode step (docs/design.md, "Quantized weights").
 
 XLA:CPU has no fast int8 x float32 dot, so a decode step that reads quantized weights calls the
 extension's `pigjax_quant_matmul` FFI handler (xla_ffi/quant.h). Weights stay in llama.cpp's

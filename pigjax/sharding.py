@@ -1,5 +1,5 @@
 """Sharding over a device mesh: where parameters and caches live, and the host store's FFI calls
-run per device (DESIGN.md section 6, "Scale-out"; issue 9).
+run per device (docs/scaling.md).
 
 The mesh has two axes. "data" splits the batch slots; "model" splits the KV heads (each with its
 query heads), the MLP's gate/up columns and down rows, and the vocabulary of the embedding and

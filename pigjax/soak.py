@@ -1,4 +1,4 @@
-"""Soak runs: long MagicPIG generations, sampled every N decode steps (issue 9, item 5).
+"""Soak runs: long MagicPIG generations, sampled every N decode steps.
 
 In a long generation the generated-token buffer fills again and again, and each time its older
 half is hashed into the host store's pool (`MagicPigBackend.after_step`). A soak run watches

@@ -1,4 +1,4 @@
-"""The host KV store and its FFI calls (DESIGN.md section 2).
+"""The host KV store and its FFI calls (docs/design.md, "The host store").
 
 MagicPIG keeps the long middle of the KV cache (the *pool*) in host memory and attends to it by
 LSH sampling (arXiv 2410.16179, section 4). `HostKVStore` owns, per sparse layer, batch slot and
@@ -9,8 +9,8 @@ shared by the prefill and decode programs.
 
 `store_insert` appends tokens (keys hashed in JAX) and extends the tables; `store_attend` looks the
 query's codes up in the tables and computes importance-weighted attention over the candidates
-(steps 5-8 of DESIGN.md section 1). A store created with `estimator="proxy"` (issue 12,
-pigjax/estimators.py) builds no tables: the insert quantizes the centred keys into a 4-bit
+(docs/design.md, "The algorithm", steps 5-8). A store created with `estimator="proxy"`
+(pigjax/estimators.py) builds no tables: the insert quantizes the centred keys into a 4-bit
 (`proxy_bits`) index, and the attend scans it, attends the top `proxy_fraction` of the pool
 exactly and adds the mean-V tail; its code operands have 0 columns (`code_columns`).
 
@@ -303,7 +303,8 @@ def store_insert(handle, layer: int, slots_B, k_BKTD, v_BKTD, codes_BKTL, length
 
 def store_attend(handle, layer: int, slots_B, q_BHD, q_codes_BHL,
                  dep) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """LSH-sampled attention of each query over its slot's pool (DESIGN.md 1.5-1.8).
+  """LSH-sampled attention of each query over its slot's pool (docs/design.md, "The algorithm",
+  steps 5-8).
 
   Query head h uses kv head h // (H / K). Candidates: pool tokens sharing the query's code in at
   least 2 tables; scores s_i = q.k_i / sqrt(D) - log u_i (u_i: the probability of that collision

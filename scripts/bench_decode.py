@@ -2,8 +2,8 @@
 
   .venv/bin/python scripts/bench_decode.py --out benchmarks/results.json
 
---estimators=magicpig,proxy adds the proxy estimator (issue 12) to the SmolLM2 rows, timed
-interleaved with dense and MagicPIG (its own host store), for example:
+--estimators=magicpig,proxy adds the proxy estimator (pigjax/estimators.py) to the SmolLM2 rows,
+timed interleaved with dense and MagicPIG (its own host store), for example:
 
   nice -n 19 .venv/bin/python scripts/bench_decode.py --contexts=8192,32768 \
       --estimators=magicpig,proxy --llama8b_contexts= --llamacpp_contexts= \
@@ -36,8 +36,8 @@ flags.DEFINE_list("batches", ["1"], "Batch sizes, each at every context where me
                   "(rows are copies of the one tiled context).")
 flags.DEFINE_enum("context_source", "documents", ["documents", "tiled"],
                   "documents: long caches stitched from pieces of many different real documents "
-                  "(pigjax/bench_contexts.py; run scripts/fetch_data.py first); tiled: the old "
-                  "method, one GPL-3 prefill of --source_tokens repeated.")
+                  "(pigjax/bench_contexts.py; run scripts/fetch_data.py first); tiled: one GPL-3 "
+                  "prefill of --source_tokens repeated.")
 flags.DEFINE_integer("source_tokens", 2048, "Tokens per piece (documents) or of the tiled source, "
                      "and of the real prefill timed for the prefill overhead.")
 flags.DEFINE_string("piece_cache", str(bench_contexts.DEFAULT_CACHE_DIR),

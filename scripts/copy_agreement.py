@@ -1,4 +1,4 @@
-r"""Greedy agreement of MagicPIG with dense decoding on a passage-copy prompt (issue 3's check).
+r"""Greedy agreement of MagicPIG with dense decoding on a passage-copy prompt.
 
 The prompt is the first --doc_tokens tokens of a real document followed by its first --cue_tokens
 tokens again, so the model's best continuation is to keep copying the document's opening from

@@ -1,4 +1,4 @@
-r"""Quality of MagicPIG against dense, oracle topk, Quest and StreamingLLM (EVAL.md, Quality).
+r"""Quality of MagicPIG against dense, oracle topk, Quest and StreamingLLM (QUALITY.md, "Method").
 
   python scripts/fetch_data.py
   python scripts/eval_quality.py --config configs/smollm2_135m.py --lengths 2048,4096 \

@@ -1,4 +1,4 @@
-r"""Estimator probe (issue 12): attention-output error vs cost of pool estimators on real text.
+r"""Estimator probe: attention-output error vs cost of pool estimators on real text.
 
   python scripts/fetch_data.py
   XLA_FLAGS=--xla_cpu_multi_thread_eigen=false nice -n 19 python scripts/probe_estimators.py \

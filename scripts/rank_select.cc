@@ -1,6 +1,6 @@
 // The proxy selection's order statistics, LargestAt (xla_ffi/proxy.h) against std::nth_element,
 // and the whole per-head selection (avx2::SelectTop) at pool sizes of the benchmark contexts
-// (BENCHMARKS.md, "Session 19").
+// (BENCHMARKS.md, "Levers measured").
 //
 //   g++ -O2 -std=c++17 -I. -o /tmp/rank_select scripts/rank_select.cc && /tmp/rank_select
 //

@@ -1,5 +1,5 @@
 // How fast this machine reads scattered pool rows, against how fast it streams memory: the
-// ceiling of MagicPIG's gather (BENCHMARKS.md, "Session 17").
+// ceiling of MagicPIG's gather (BENCHMARKS.md, "Targets and what stands in the way").
 //
 //   g++ -O2 -mavx2 -std=c++17 -pthread -o /tmp/row_reads scripts/row_reads.cc && /tmp/row_reads
 //

@@ -1,4 +1,4 @@
-r"""Soak benchmark (issue 9, item 5): long MagicPIG generations whose generated buffer moves into
+r"""Soak benchmark: long MagicPIG generations whose generated buffer moves into
 the host pool again and again; memory, attended fraction and speed every N steps
 (pigjax/soak.py), and a shorter prefix checked token for token against the pure-jnp reference.
 

@@ -2,7 +2,7 @@
 //
 // XLA:CPU runs one decode query against the cache as a chain of small ops per key block (a
 // dynamic slice, a matrix-vector dot on its thread pool, a masked softmax, another dot), and at
-// 4k tokens that chain, not the memory traffic, was most of the SmolLM2 decode step. Here each
+// 4k tokens that chain, not the memory traffic, is most of the SmolLM2 decode step. Here each
 // K and V row is read once, for all G query heads that share it, in chunks of rows split over a
 // thread pool (flash-decoding: each chunk keeps its own running max, sum and weighted V; the
 // chunks are merged by log-sum-exp at the end). Rows past a slot's length are never read.

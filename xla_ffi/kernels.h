@@ -1,4 +1,4 @@
-// Numerical kernels of MagicPIG's sampled attention (DESIGN.md section 1, steps 5-8).
+// Numerical kernels of MagicPIG's sampled attention (docs/design.md, "The algorithm", steps 5-8).
 //
 // Pure C++: no XLA, no nanobind. Vector primitives come in a scalar version and an AVX2+FMA
 // version selected at run time (`GetVecOps`), so the library never requires AVX512 and never
@@ -97,7 +97,8 @@ inline double LogCollisionProbFromLogP(double y, int num_tables) {
   return std::max(LogCollisionProbUnfloored(y, num_tables), std::log(kMinCollisionProb));
 }
 
-// Exact log u(cos) (DESIGN.md step 6), in double. Slow; the kernel uses LogCollisionTable.
+// Exact log u(cos) (docs/design.md, "The algorithm", step 6), in double. Slow; the kernel uses
+// LogCollisionTable.
 inline double LogCollisionProb(double cos, int num_bits, int num_tables) {
   const double p = 1.0 - std::acos(std::min(1.0, std::max(-1.0, cos))) / M_PI;
   if (p <= 0.0) return std::log(kMinCollisionProb);
@@ -160,7 +161,7 @@ class LogCollisionTable {
 // Branch-free id extractions (the proxy's selection) write up to this many ids past the last hit.
 constexpr int64_t kScanSlack = 8;
 
-// Per-query constants of the score (DESIGN.md steps 6-7).
+// Per-query constants of the score (docs/design.md, "The algorithm", steps 6-7).
 struct ScoreParams {
   float q_mu;    // q . mu: the centred-key cosine is (q.k - q.mu) / (|q| |k - mu|)
   float q_norm;  // |q|
@@ -728,13 +729,13 @@ inline int64_t CollectCandidates(const std::vector<TableSegment>& segments, cons
 // ---------------------------------------------------------------------------------------------
 // Importance-weighted attention over the candidates (steps 6-8).
 
-// One pool token is one row: its K then its V (DESIGN.md section 2), a candidate being one
-// contiguous gather. Rows hold nothing else: at head_dim 64 a bfloat16 row is 256 bytes, four
-// whole cache lines of a 64-byte-aligned pool (a 16-byte header of |k - mu| and the scales made
-// it 272 bytes, five lines: the gather is bound by lines in flight, not by bytes). |k - mu| is
-// recomputed from the row while the dot product reads it. int8 rows hold round(x / scale),
-// scale = max |x| / 127, with the K and V scales of row i in a side array (scales[2i], [2i+1]);
-// float32 and bfloat16 rows have no scales (1).
+// One pool token is one row: its K then its V (docs/design.md, "The host store"), a candidate
+// being one contiguous gather. Rows hold nothing else: at head_dim 64 a bfloat16 row is 256 bytes,
+// four whole cache lines of a 64-byte-aligned pool (a 16-byte header of |k - mu| and the scales
+// would make it 272 bytes, five lines: the gather is bound by lines in flight, not by bytes).
+// |k - mu| is recomputed from the row while the dot product reads it. int8 rows hold
+// round(x / scale), scale = max |x| / 127, with the K and V scales of row i in a side array
+// (scales[2i], [2i+1]); float32 and bfloat16 rows have no scales (1).
 inline int64_t RowBytes(int64_t d, int64_t elem_bytes) {
   return (2 * d * elem_bytes + 15) / 16 * 16;
 }
@@ -852,8 +853,8 @@ PIGJAX_AVX2 void GatherDotNorms(const float* q, int64_t d, const PoolView& pool,
 // Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query: o[D] holds
 // sum_c w_c v_c with w_c = exp(s_c - m), z = sum_c w_c, m the largest score so far (start from
 // o = 0, z = 0, m = -inf). `scratch`: >= kAttentionScratch floats. Raw keys in the logits
-// (centred keys only in the cosine; DESIGN.md step 2). split_ns (optional, profiling): += wall
-// time of the score and the softmax phases.
+// (centred keys only in the cosine; docs/design.md, "The algorithm", step 2). split_ns (optional,
+// profiling): += wall time of the score and the softmax phases.
 template <typename T>
 void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
                          const int32_t* cand, int64_t count, const LogCollisionTable& log_u,

@@ -1,4 +1,4 @@
-// Kernels of the "proxy" pool estimator (issue 12; the jnp twin is pigjax/estimators.py):
+// Kernels of the "proxy" pool estimator (the jnp twin is pigjax/estimators.py):
 // every pool key has a per-channel quantized copy of its centred key (the index); a query scores
 // every key on the index, reads the top ceil(fraction * n) keys exactly, and estimates the
 // softmax mass of the rest from their proxy scores with the pool's mean V as their value.
@@ -319,15 +319,15 @@ inline int64_t ProxyKeepCount(float fraction, int64_t n) {
 }
 
 // From this many scores on, KthLargest and avx2::SelectTop take the sampled threshold; below it a
-// selection over all the scores. 4096 before session 8 put the benchmark's 4k context
-// (a pool of 4028) on the slow side: per sparse layer nine nth_elements over 4k scores.
+// selection over all the scores. Low enough that a 4k context (a pool of 4028) takes the sampled
+// path: a threshold of 4096 would cost it nine nth_elements over 4k scores per sparse layer.
 constexpr int64_t kSampleMinScores = 1024;
 
 // The (r + 1)-th largest of v[0, m) (0 <= r < m): exactly the value std::nth_element finds, in
-// a few linear passes instead of its data-dependent branches (at 128k its two calls per head were
-// more than half of the proxy's selection). The range [min, max] is cut into kRankBins equal
-// bins; x -> bin is monotone, so a higher bin holds only larger values, and the bin holding rank
-// r is found by counting from the top; nth_element then runs over that bin's values alone.
+// a few linear passes instead of its data-dependent branches (at 128k its two calls per head
+// would be more than half of the proxy's selection). The range [min, max] is cut into kRankBins
+// equal bins; x -> bin is monotone, so a higher bin holds only larger values, and the bin holding
+// rank r is found by counting from the top; nth_element then runs over that bin's values alone.
 // Below kRankMinValues values nth_element alone is faster (the bins cost a fixed 4 KiB).
 // v is not modified; tmp has room for m floats.
 constexpr int kRankBins = 1024;
@@ -469,7 +469,8 @@ inline const ProxyOps& GetProxyOps() {
 }
 
 // Exact attention over the rows cand[0..count): the running (o, m, z) of AccumulateAttention
-// without importance weights: s = scale * q . k with raw keys (DESIGN.md step 2).
+// without importance weights: s = scale * q . k with raw keys (docs/design.md, "The algorithm",
+// step 2).
 template <typename T>
 void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
                      const int32_t* cand, int64_t count, float scale, float* scratch, float* o,

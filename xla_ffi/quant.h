@@ -1,5 +1,5 @@
 // Weight-quantized matrix multiplication for the decode step: y = x W^T with W kept in llama.cpp's
-// 32-element block formats (DESIGN.md section 6, "Quantized weights").
+// 32-element block formats (docs/design.md, "Quantized weights").
 //
 // XLA:CPU has no fast mixed int8 x f32 dot (it materialises an f32 copy of an int8 weight first),
 // so decode reads the quantized blocks here. The activation rows are quantized once per call to

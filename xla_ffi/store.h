@@ -1,5 +1,5 @@
 // The host KV store: MagicPIG's pool of sampled tokens, with its LSH tables, for every sparse
-// layer, batch slot and KV head (DESIGN.md sections 1 and 2).
+// layer, batch slot and KV head (docs/design.md, "The algorithm" and "The host store").
 //
 // Pure C++: no XLA, no nanobind, so a CPU and a (future) CUDA FFI registration share it. Errors
 // are returned as message strings (empty = success); nothing here reads out of range for any
@@ -441,8 +441,9 @@ class Store {
   }
 
   // Profiling: the distinct ids among the (ascending) candidates of query heads g0..g0 + group.
-  // Session 18 measured 73-75% of the candidates at 32k-128k; reading those rows once for all
-  // the heads gained nothing: in the heads' order, the shared rows are cache hits already.
+  // They are 73-75% of the candidates at 32k-128k, yet reading those rows once for all the heads
+  // gains nothing: in the heads' order, the shared rows are cache hits already (BENCHMARKS.md,
+  // "Levers measured").
   uint64_t DistinctCandidates(const int32_t* count, int64_t g0, int64_t group) const {
     std::vector<int64_t> pos(group, 0);
     uint64_t n = 0;
@@ -901,9 +902,9 @@ inline std::string Store::Attend(const AttendArgs& a) {
 
   // Two phases, so that two workers share nine query heads evenly: all lookups, then the
   // candidates of every head in pieces of kPieceCandidates, each its own partial softmax
-  // (o, m, z), merged per head by log-sum-exp at the end. (Session 17 measured one queue for
-  // both, so that no worker waits at the barrier for the last lookup: no gain beyond noise on
-  // either VM, BENCHMARKS.md "Session 17".)
+  // (o, m, z), merged per head by log-sum-exp at the end. One queue for both, so that no worker
+  // waits at the barrier for the last lookup, gains nothing beyond noise (BENCHMARKS.md, "Levers
+  // measured").
   ParallelFor(items, [&](int64_t i, int w) {
     lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
   }, inline_only);

@@ -1,4 +1,4 @@
-// The host store's proxy estimator (issue 12; kernels in proxy.h, jnp twin in
+// The host store's proxy estimator (kernels in proxy.h, jnp twin in
 // pigjax/estimators.py): the insert builds the index, the attend scans it, reads the top rows
 // exactly and adds the mean-V tail. Included by store.h after the Store class.
 #ifndef PIGJAX_XLA_FFI_STORE_PROXY_H_

@@ -3,7 +3,7 @@
 // own when it asks for a thread count of its own.
 //
 // Not XLA's intra-op pool: a handler that blocks on tasks it scheduled there can starve it
-// (DESIGN.md section 5). Pure C++: no XLA, no nanobind.
+// (docs/design.md, "Threading"). Pure C++: no XLA, no nanobind.
 #ifndef PIGJAX_XLA_FFI_THREAD_POOL_H_
 #define PIGJAX_XLA_FFI_THREAD_POOL_H_
 
@@ -114,9 +114,10 @@ class ThreadPool {
   // How long a worker stays awake after its last task, polling for the next call before it
   // sleeps: a decode step calls the compute pool every few hundred microseconds (matmuls, the
   // store, the dense kernel), and a sleeping worker needs a wake-up (tens of microseconds, a
-  // scheduler tick on a busy machine). 200 us halved the store's time alone on the caller at
-  // 32k (6.4 -> 1.5 ms per step; 100 us: 3.3 ms); 500 us made a 4k step slower, the spinning
-  // worker holding a core that XLA's own threads wanted (BENCHMARKS.md, session 10).
+  // scheduler tick on a busy machine). 200 us cuts the store's time alone on the caller at 32k
+  // from 6.4 ms (no spinning) to 1.5 ms per step (100 us: 3.3 ms); 500 us makes a 4k step slower,
+  // the spinning worker holding a core that XLA's own threads want (BENCHMARKS.md, "Levers
+  // measured").
   // PIGJAX_SPIN_US overrides it (0: sleep at once).
   static uint64_t SpinNs() {
     static const uint64_t ns = [] {

@@ -1,1 +1,2 @@
-"""Quality harness: attention policies, real-text data, tasks and the evaluation loop (EVAL.md)."""
+"""Quality harness: attention policies, real-text data, tasks and the evaluation loop (QUALITY.md,
+"Method")."""

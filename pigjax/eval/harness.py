@@ -299,8 +299,8 @@ class Harness:
         self._match_budget(length, m, frac, pool[protocol], f"{task}/{protocol}")
       if m.kind == "dense":
         dense_lp[protocol] = lp
-      # The answer's leading space is part of the forced prefix (EVAL.md: "digits forced after
-      # the answer prefix"); whether the model would emit it itself is `first_top1`.
+      # The answer's leading space is part of the forced prefix (QUALITY.md, "Method": the digits
+      # are forced after the answer prefix); whether the model would emit it itself is `first_top1`.
       d = dense_lp.get(protocol)
       forced = tasks.forced_scores(lp[:, 1:], ans[:, 1:], None if d is None else d[:, 1:])
       first_ok = np.argmax(lp[:, 0], axis=-1) == ans[:, 0]

@@ -1,8 +1,9 @@
 """Pool policies for the quality harness: one device-resident backend, one `pool_policy` switch.
 
-Every policy keeps the same exact part as MagicPIG (DESIGN.md 1.1: the first `sink` prompt tokens,
-the last `window` prompt tokens and every generated token) and the same dense layers; only what is
-attended in the *pool* (prompt positions [sink, n - window)) differs (EVAL.md, Quality):
+Every policy keeps the same exact part as MagicPIG (docs/design.md, "The algorithm", step 1: the
+first `sink` prompt tokens, the last `window` prompt tokens and every generated token) and the
+same dense layers; only what is attended in the *pool* (prompt positions [sink, n - window))
+differs (QUALITY.md, "Method"):
 
   dense      the whole pool                                   (full attention, the reference)
   magicpig   the configured estimator (attention.estimator): "magicpig" = the LSH-sampled,
@@ -21,8 +22,9 @@ prefill_attend, decode_attend, after_prefill, after_step, stats), so Engine-driv
 with every policy. By default every generated token stays exact; with `pool_generated` the older
 half of a full generated buffer (attention.generated_buffer) joins the pool, hashed with the
 prompt pool's mean key, exactly as the FFI backend's `MagicPigBackend.after_step` does, so long
-generations can be checked against this reference (scripts/soak.py). The pool stays in the device cache and is selected by a mask, which is simple
-and exact but not fast: this backend measures quality, the FFI backend (`pigjax.magicpig`) speed.
+generations can be checked against this reference (scripts/soak.py). The pool stays in the device
+cache and is selected by a mask, which is simple and exact but not fast: this backend measures
+quality, the FFI backend (`pigjax.magicpig`) speed.
 
 In *probe* mode (a traced flag in the cache) every sparse layer also computes dense attention,
 returns the dense output (so the activations stay the dense model's) and accumulates the squared

@@ -8,7 +8,7 @@ estimators on them in numpy, per sparse layer, KV head and query, with the same 
 harness: sink and window of the prompt exact, the queries' own tokens exact (the generated
 buffer), the rest is the pool.
 
-Cost accounting (issue 12): for every estimator we report
+Cost accounting: for every estimator we report
   read      fraction of pool K/V rows read at full precision, per query head (every row counts,
             also the rows of a tail sample);
   index     bytes per pool token and KV head the estimator's index keeps (tables, sketches,
@@ -142,7 +142,7 @@ def log_u_np(cos, num_bits, num_tables):
 
 
 class MagicPig:
-  """The paper's estimator (DESIGN.md 1.5-1.8), numpy, float64."""
+  """The paper's estimator (docs/design.md, "The algorithm", steps 5-8), numpy, float64."""
 
   def __init__(self, num_bits, num_tables):
     self.num_bits, self.num_tables = num_bits, num_tables

@@ -1,4 +1,4 @@
-"""Examples and scores for the quality tasks (EVAL.md, Quality).
+"""Examples and scores for the quality tasks (QUALITY.md, "Method").
 
 Every task is (context, query, answer) token ids. Under the *paper* protocol context + query are
 prefilled densely and only the answer tokens go through the sampled decode path; under the
