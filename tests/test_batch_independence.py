@@ -1,11 +1,12 @@
-"""A MagicPIG row's numbers do not depend on its batch mates (issue 10: a 2,590-token prompt
-decoded beside a short one diverged from the same prompt decoded alone at greedy token 30).
+"""A MagicPIG row's numbers do not depend on its batch mates: a row decoded beside others gives
+bitwise the same outputs as decoded alone (otherwise a long prompt's greedy decoding diverges in a
+batch once rounding flips a near tie).
 
-The cause was in the host store's attend: whether a call split each head's candidates into pieces
-on the worker pool was decided from the whole call's work (pool tokens x heads >= 32768), so a row
-was summed in another order when a long row sat beside it. Greedy tokens of a tiny random model
-rarely flip on such rounding, so this test compares what the decode step wrote: the generated
-tokens' keys in the last sparse layer, which depend bitwise on the previous sparse layer's
+The risk is in the host store's attend: if whether a call splits each head's candidates into
+pieces on the worker pool were decided from the whole call's work (pool tokens x heads >= 32768),
+a row would be summed in another order when a long row sits beside it. Greedy tokens of a tiny
+random model rarely flip on such rounding, so this test compares what the decode step wrote: the
+generated tokens' keys in the last sparse layer, which depend bitwise on the previous sparse layer's
 attention output. The geometry crosses the kernel's threshold only when two long rows share a
 call (alone 700 x 32 heads < 32768 <= batched), with enough candidates per head (1 bit, 8 tables)
 for several 512-candidate pieces.
@@ -57,8 +58,8 @@ def _decode(batch: SlotBatch, prompts: dict[int, list[int]]):
   return tokens, np.asarray(batch.cache.k[last_sparse])
 
 
-# Failed bitwise before the attend fix of branch `kernel` (0a77ea4): 167 of 1152 key elements of
-# the first generated token differed by up to 1e-6.
+# With the split decided per call instead of per head, 167 of 1152 key elements of the first
+# generated token differ, by up to 1e-6.
 def test_magicpig_row_is_bitwise_independent_of_its_batch(pipe):
   rng = np.random.default_rng(0)
   long_a, long_b = ([int(t) for t in rng.integers(3, 250, LONG)] for _ in range(2))

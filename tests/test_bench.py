@@ -203,7 +203,8 @@ def test_markdown_tables_have_a_batch_column():
 
 
 def test_quant_matmul_chain_benchmark_runs_both_layouts():
-  """scripts/bench_quant_matmuls.py (BENCHMARKS.md, session 9) on one layer, one step."""
+  """scripts/bench_quant_matmuls.py (BENCHMARKS.md, "Quantized decode weights") on one layer, one
+  step."""
   import subprocess
   import sys
   from pathlib import Path

@@ -94,7 +94,7 @@ def test_sampling_is_seeded_and_bf16_runs(tiny_dir):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 9: tuple overrides (defect 3) and user errors as one line (defect 5).
+# Tuple overrides, and user errors as one line.
 
 
 def _parse_overrides(*overrides):

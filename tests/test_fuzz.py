@@ -7,9 +7,9 @@ MemoryError, or the handler's INVALID_ARGUMENT as JaxRuntimeError) and changes n
 crash, a hang or a silent wrong answer. Each case is classified valid or invalid by an
 independent model of the rules below, so an invalid input that is accepted fails the test too.
 
-Store creation, the case that used to segfault (issue 9), runs in a subprocess
-(tests/fuzz_store_creation.py) so that a crash there is a failure, not a dead pytest. The
-sanitizer build (scripts/sanitize.sh) runs this file under ASan + UBSan.
+Store creation, where a crash is likeliest (it allocates and starts threads), runs in a
+subprocess (tests/fuzz_store_creation.py) so that a crash there is a failure, not a dead pytest.
+The sanitizer build (scripts/sanitize.sh) runs this file under ASan + UBSan.
 """
 
 import os

@@ -1,5 +1,5 @@
 """Tests of the pure-jnp MagicPIG reference (pigjax/lsh.py) against independent numpy loops and
-against the probabilities it claims (DESIGN.md section 1).
+against the probabilities it claims (docs/design.md, "The algorithm").
 
 Shape letters as in pigjax/lsh.py: B batch, H query heads, K kv heads, T tokens, D head dim,
 L tables.
@@ -31,14 +31,14 @@ def np_codes(x, w, num_bits, num_tables):
 
 
 def np_u(cos, num_bits, num_tables):
-  """The DESIGN.md 1.6 formula, verbatim, in float64."""
+  """The formula of docs/design.md, "The algorithm", step 6, verbatim, in float64."""
   p = 1.0 - math.acos(min(max(cos, -1.0), 1.0)) / math.pi
   big_p, lt = p ** num_bits, num_tables
   return 1.0 - (1.0 - big_p) ** lt - lt * big_p * (1.0 - big_p) ** (lt - 1)
 
 
 def np_pool_attention(q, k, v, valid, w, num_bits, num_tables):
-  """Steps 2 and 5-8 of DESIGN.md section 1, one (batch, head, token) at a time."""
+  """docs/design.md, "The algorithm", steps 2 and 5-8, one (batch, head, token) at a time."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   valid = np.asarray(valid)
   b_, h_, d_ = q.shape

@@ -1,6 +1,7 @@
-"""Issue 9's robustness defects, one regression test each (each failed before its fix).
+"""Robustness: hostile or unlucky inputs that could crash, hang or silently corrupt a run, one
+test each.
 
-Cases that used to crash or hang the process run in a subprocess with a timeout, so that a
+Cases that could crash or hang the process run in a subprocess with a timeout, so that a
 regression is a test failure rather than a dead pytest.
 """
 
@@ -42,7 +43,7 @@ def _store(**kw):
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Store geometry overflow: the size product wrapped to 0 and later calls segfaulted.
+# Store geometry overflow: a size product that wraps to 0 would make later calls segfault.
 
 
 def test_geometry_overflow_is_a_value_error_not_a_segfault():
@@ -89,7 +90,7 @@ def test_geometry_limits_name_the_value_and_the_limit():
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. Threads: no upper bound, and a hang when thread creation failed partway.
+# Threads: an upper bound, and no hang when thread creation fails partway.
 
 
 def test_threads_are_bounded():
@@ -129,7 +130,7 @@ def test_failed_thread_start_raises_and_joins_instead_of_hanging():
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. NaN/Inf keys and queries: an error naming the operand and the first bad index.
+# NaN/Inf keys and queries: an error naming the operand and the first bad index.
 
 
 def _insert_args(T=5, seed=0, dtype=np.float32):
@@ -205,7 +206,7 @@ def test_non_finite_query_is_an_error_in_the_store_and_the_reference():
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. Attention settings are validated for every kind, against one list of store dtypes.
+# Attention settings are validated for every kind, against one list of store dtypes.
 
 
 def test_attention_settings_are_checked_for_every_kind():
@@ -230,7 +231,7 @@ def test_attention_settings_are_checked_for_every_kind():
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. MagicPIG's after_prefill peak: every sparse layer's hashing was alive at once.
+# MagicPIG's after_prefill peak: one sparse layer's hashing alive at a time, not every layer's.
 
 
 def test_split_prefill_hashes_one_layer_at_a_time():

@@ -221,7 +221,7 @@ def test_row_output_independent_of_batch_mates(kernels, monkeypatch):
   """A row's attend output is bitwise the same alone and beside rows of very different pool
   lengths. Alone the call is below the parallel threshold (pool x query heads < 32768) and runs
   on the calling thread; in the batch it is above and runs on two workers: each head must still
-  be summed in the same pieces and merge order (issue 10: greedy decoding diverged in a batch)."""
+  be summed in the same pieces and merge order, or greedy decoding diverges in a batch."""
   monkeypatch.setenv("PIGJAX_KERNELS", kernels)
   num_bits, num_tables, K, G = 2, 8, 2, 3  # random codes: ~60% of the pool collides, 3 pieces
   lengths = [2000, 6000, 7, 0]
