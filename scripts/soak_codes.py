@@ -1,5 +1,5 @@
-"""Diagnostic for BENCHMARKS.md "Soak": do the FFI backend and the pure-jnp reference hash the same
-prompt pool into the same codes? The FFI path centres the gathered pool [B, K, S - sink - window,
+"""Diagnostic for BENCHMARKS.md, "Long generations": do the FFI backend and the pure-jnp
+reference hash the same prompt pool into the same codes? The FFI path centres the gathered pool [B, K, S - sink - window,
 D]; the reference centres the full cache [B, K, S, D] under a mask. Prints, per sparse layer,
 the largest difference of the two pool means and the number of table codes that differ.
 
