@@ -10,12 +10,14 @@ timed interleaved with dense and MagicPIG (its own host store), for example:
       --context_source=tiled --plots= --out=benchmarks/proxy.json
 
 Writes one JSON with every measurement and the figures of BENCHMARKS.md (--plots; or redraw
-them from a JSON with --plot_only). See pigjax/bench.py for how long contexts are built.
+them from a JSON with --plot_only). See tools/bench.py for how long contexts are built.
 """
 
 import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +25,16 @@ import numpy as np
 
 from absl import app, flags
 
-from pigjax import bench, bench_contexts, store, weights
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tools/ is a top-level package beside pigjax/, not installed
+
+from pigjax import store, weights
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
 from pigjax.pipeline import Pipeline
 from pigjax.store import HostKVStore
+from tools import bench, bench_contexts
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "Context lengths.")
@@ -36,7 +42,7 @@ flags.DEFINE_list("batches", ["1"], "Batch sizes, each at every context where me
                   "(rows are copies of the one tiled context).")
 flags.DEFINE_enum("context_source", "documents", ["documents", "tiled"],
                   "documents: long caches stitched from pieces of many different real documents "
-                  "(pigjax/bench_contexts.py; run scripts/fetch_data.py first); tiled: one GPL-3 "
+                  "(tools/bench_contexts.py; run scripts/fetch_data.py first); tiled: one GPL-3 "
                   "prefill of --source_tokens repeated.")
 flags.DEFINE_integer("source_tokens", 2048, "Tokens per piece (documents) or of the tiled source, "
                      "and of the real prefill timed for the prefill overhead.")

@@ -14,12 +14,18 @@ import glob
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 from absl import app, flags
 
-from pigjax import bench, weights
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tools/ is a top-level package beside pigjax/, not installed
+
+from pigjax import weights
 from pigjax.config import AttentionConfig, Config, SamplingConfig
 from pigjax.pipeline import Pipeline
+from tools import bench
 
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "4096", "8192"], "Prompt lengths in tokens.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Timed rounds per engine and length.")

@@ -8,14 +8,21 @@ candidate fraction and, over all layers, |union of a group's candidates| / sum o
   python scripts/gqa_overlap.py --tokens=2048 --num_bits=10 --num_tables=150
 """
 
+import sys
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pigjax import bench, lsh
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tools/ is a top-level package beside pigjax/, not installed
+
+from pigjax import lsh
 from pigjax.attention import DenseCache, dense_attend
 from pigjax.config import Config
 from pigjax.pipeline import Pipeline
+from tools import bench
 
 _TOKENS = flags.DEFINE_integer("tokens", 2048, "Prompt tokens (from /usr/share/common-licenses/GPL-3).")
 _NUM_BITS = flags.DEFINE_integer("num_bits", 10, "Bits per table.")

@@ -10,17 +10,22 @@ before a worker joined). Quicker than scripts/bench_decode.py (no llama.cpp, one
 """
 
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
-from pigjax import bench, bench_contexts
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tools/ is a top-level package beside pigjax/, not installed
+
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine, kv_cache_dtype
 from pigjax.magicpig import MagicPigBackend
 from pigjax.pipeline import Pipeline
 from pigjax.store import HostKVStore
+from tools import bench, bench_contexts
 
 _CONTEXT = flags.DEFINE_integer("context", 32768, "Context tokens.")
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed decode steps per method.")

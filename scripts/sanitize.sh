@@ -25,7 +25,7 @@ echo "sanitize: build took $(( $(date +%s) - start )) s"
 purelib="import sysconfig; print(sysconfig.get_paths()['purelib'])"
 main_site=$("$PY" -c "$purelib")
 echo "$main_site" > "$("$OUT/venv/bin/python" -c "$purelib")/pigjax_main_venv.pth"
-cp -r tests pyproject.toml "$OUT/site/"
+cp -r tests tools pyproject.toml "$OUT/site/"
 
 # 3. The tests, with libasan (then libstdc++) preloaded: jaxlib aborts at import otherwise.
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"

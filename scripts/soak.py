@@ -1,6 +1,6 @@
 r"""Soak benchmark: long MagicPIG generations whose generated buffer moves into
 the host pool again and again; memory, attended fraction and speed every N steps
-(pigjax/soak.py), and a shorter prefix checked token for token against the pure-jnp reference.
+(tools/soak.py), and a shorter prefix checked token for token against the pure-jnp reference.
 
 Runs (--runs, any of):
   smollm2  the embedded SmolLM2-135M: a real-text prompt of --prompt_tokens plus --new_tokens
@@ -27,11 +27,13 @@ import time
 
 from absl import app, flags
 
-from pigjax import soak
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)  # tools/ is a top-level package beside pigjax/, not installed
+
 from pigjax.config import AttentionConfig, Config
 from pigjax.pipeline import Pipeline
+from tools import soak
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUNS = flags.DEFINE_list("runs", ["check", "tiny", "smollm2"], "Which runs, in order.")
 _TEXT = flags.DEFINE_string("text_dir", os.path.join(_ROOT, "data", "text"),
                             "Real text for the prompt: every *.txt below it, sorted, concatenated "

@@ -1,5 +1,6 @@
-"""Smoke tests of pigjax.bench on tiny sizes: the tiled caches, the per-layer MagicPIG cache
-builder (against the backend's own after_prefill), timing helpers and the kernel counters."""
+"""Smoke tests of tools.bench and tools.bench_contexts on tiny sizes: the tiled caches, the
+per-layer MagicPIG cache builder (against the backend's own after_prefill), timing helpers and the
+kernel counters."""
 
 import dataclasses
 import types
@@ -10,12 +11,12 @@ import numpy as np
 import pytest
 
 import tiny_checkpoint
-from pigjax import bench, bench_contexts
 from pigjax.config import AttentionConfig, Config
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
 from pigjax.model import apply_rope, rope_inv_freq, rope_tables
 from pigjax.pipeline import Pipeline
+from tools import bench, bench_contexts
 
 
 @pytest.fixture(scope="module")

@@ -351,7 +351,7 @@ def test_quantized_greedy_continuation_equals_float32_reference(qpipe):
 def test_bfloat16_cache_decodes_greedily_like_float32(qpipe):
   """`cache_dtype="bfloat16"` (half the bytes a dense decode step reads) keeps both reference
   continuations, as the float32 cache does."""
-  from pigjax import bench
+  from tools import bench
   from pigjax.engine import Engine
   ref = reference.load("smollm2_135m_transformers.json")
   gpl = reference.load("smollm2_135m_gpl3_400.json")

@@ -1,15 +1,15 @@
-"""pigjax.soak (scripts/soak.py's library): the /proc parser, a short recorded MagicPIG run with
+"""tools.soak (scripts/soak.py's library): the /proc parser, a short recorded MagicPIG run with
 evictions, and the token-for-token check against the pure-jnp reference."""
 
 import numpy as np
 import pytest
 
 import tiny_checkpoint
-from pigjax import soak
 from pigjax.config import AttentionConfig, Config, SamplingConfig
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
 from pigjax.pipeline import Pipeline
+from tools import soak
 
 
 @pytest.fixture(scope="module")

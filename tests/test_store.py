@@ -358,7 +358,7 @@ def test_profile_bins_every_candidate_by_its_pool_slice():
   """With every code equal to the query's, all n pool tokens are candidates, so the profile's 16
   bins must hold exactly the ids in [ceil(b n / 16), ceil((b + 1) n / 16)) each, for an n that 16
   does not divide."""
-  from pigjax import bench
+  from tools import bench
   num_bits, num_tables, K, G, T = 4, 6, 1, 2, 1003
   d = _make(21, 1, K, G, T, [T], num_bits, num_tables, oracle=False)
   codes = jnp.full_like(d["codes"], 5)
@@ -378,7 +378,7 @@ def test_profile_bins_every_candidate_by_its_pool_slice():
 def test_profile_counts_distinct_candidates_per_kv_head():
   """The profile's distinct_candidates is the size of the union of the candidate sets of the
   query heads that share a kv head (computed here from the codes), summed over kv heads."""
-  from pigjax import bench
+  from tools import bench
   num_bits, num_tables, K, G, T = 3, 8, 2, 3, 500
   d = _make(22, 1, K, G, T, [T], num_bits, num_tables, oracle=False)
   with _store(1, K, num_bits, num_tables, T) as s:

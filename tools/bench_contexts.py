@@ -28,10 +28,11 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, bench
+from pigjax import attention
 from pigjax.config import ModelConfig
 from pigjax.engine import Engine
 from pigjax.eval import data
+from tools import bench
 
 DEFAULT_CACHE_DIR = data.DEFAULT_DIR.parent / "bench_pieces"
 
