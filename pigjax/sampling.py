@@ -207,7 +207,7 @@ def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, params: RowSampling, *,
   return jnp.where(params.temperature_B > 0, drawn_B, greedy_B)
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)  # the largest value a [B] float operand holds
 
 
 def validate_sampling(temperature, top_k, top_p, min_p, repetition_penalty=1.0,
@@ -219,7 +219,7 @@ def validate_sampling(temperature, top_k, top_p, min_p, repetition_penalty=1.0,
   integral = lambda v: isinstance(v, int) or float(v).is_integer()  # float() of a huge int raises
   checks = [
       (temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {temperature}."),
-      (temperature < _FLOAT32_MAX, f"temperature must be finite, got {temperature}."),
+      (temperature < FLOAT32_MAX, f"temperature must be finite, got {temperature}."),
       (top_k >= 0 and integral(top_k),
        f"top_k must be an integer >= 0 (0 means off), got {top_k}."),
       (top_k < 2**31, f"top_k must be below 2**31 (an int32), got {top_k}."),
@@ -227,7 +227,7 @@ def validate_sampling(temperature, top_k, top_p, min_p, repetition_penalty=1.0,
       (0 <= min_p < 1, f"min_p must be in [0, 1) (0 means off), got {min_p}."),
       (repetition_penalty > 0,
        f"repetition_penalty must be > 0 (1 means off), got {repetition_penalty}."),
-      (repetition_penalty < _FLOAT32_MAX,
+      (repetition_penalty < FLOAT32_MAX,
        f"repetition_penalty must be finite, got {repetition_penalty}."),
       (max_new_tokens >= 1 and integral(max_new_tokens),
        f"max_new_tokens must be an integer >= 1, got {max_new_tokens}."),

@@ -69,7 +69,7 @@ class RequestParams:
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-          abs(v) > _FLOAT32_MAX:
+          abs(v) > sampling.FLOAT32_MAX:
         raise ValueError(f"{name} must be a finite number, got {v!r}.")
     if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
       raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
@@ -79,9 +79,6 @@ class RequestParams:
       raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}.")
     sampling.validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p,
                                self.repetition_penalty)
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class PromptTooLong(ValueError):

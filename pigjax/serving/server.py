@@ -22,17 +22,17 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pigjax.config import ServeConfig
 from pigjax.serving import protocol
 from pigjax.serving.protocol import ApiError
 from pigjax.serving.scheduler import Output, PromptTooLong, Scheduler
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is there
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
 def create_app(scheduler: Scheduler, tokenizer, model_name: str, attention: str,
                default_max_tokens: int,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = ServeConfig.max_body_bytes) -> FastAPI:
   """The FastAPI app over a started scheduler (`Scheduler.start`).
 
   Args:
