@@ -6,7 +6,7 @@ these dataclasses (`to_config_dict`), so the CLI can take dotted overrides
 `Config` and rejects unknown keys with a message that names them.
 
 Each field's docstring (the string literal under it) is its user documentation:
-`pigjax.config_docs` renders them into docs/configuration.md.
+`tools/config_docs.py` renders them into docs/configuration.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Writes docs/configuration.md from pigjax/config.py (fields) and pigjax/config_docs.py (the
+"""Writes docs/configuration.md from pigjax/config.py (fields) and tools/config_docs.py (the
 environment variables):
 
     python scripts/gen_config_docs.py
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pigjax import config_docs  # noqa: E402
+from tools import config_docs  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pigjax import config, config_docs, pipeline
+from pigjax import config, pipeline
+from tools import config_docs
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "configuration.md"
@@ -71,7 +72,7 @@ def test_environment_table_lists_every_variable_the_code_reads():
   assert {"PIGJAX_DEBUG", "PIGJAX_KERNELS", "PIGJAX_MATMUL_THREADS"} <= set(read)  # the scan works
   missing = sorted(set(read) - listed)
   assert not missing, (f"{[f'{n} ({read[n]})' for n in missing]} read from the environment but "
-                       f"missing from pigjax.config_docs.ENVIRONMENT; add them and run "
+                       f"missing from tools.config_docs.ENVIRONMENT; add them and run "
                        f"`python scripts/gen_config_docs.py`.")
   stale = sorted(n for n in listed - set(read) if n.startswith("PIGJAX_"))
   assert not stale, f"ENVIRONMENT lists {stale}, which no source reads any more."

@@ -167,7 +167,7 @@ def markdown_reference() -> str:
   lines = [
       "# Configuration",
       "",
-      "<!-- Generated from pigjax/config.py and pigjax/config_docs.py by",
+      "<!-- Generated from pigjax/config.py and tools/config_docs.py by",
       "     `python scripts/gen_config_docs.py`; edit those, not this file. -->",
       "",
       "Every setting is a field of the frozen dataclasses in `pigjax/config.py`:",
