@@ -18,8 +18,10 @@
 #include <limits>
 #include <vector>
 
-#include "xla_ffi/kernels.h"
+#include "xla_ffi/cpu_features.h"
+#include "xla_ffi/simd.h"
 #include "xla_ffi/thread_pool.h"
+#include "xla_ffi/vec_ops.h"
 
 namespace pigjax::decode {
 
@@ -71,8 +73,6 @@ void ChunkPartial(const VecOps& ops, const float* q_GD, int64_t group, const T* 
 }
 
 #ifdef PIGJAX_X86
-// kernels.h undefines its PIGJAX_AVX2 at the end of its avx2 namespace; this header has its own.
-#define PIGJAX_DECODE_AVX2 __attribute__((target("avx2,fma")))
 namespace avx2 {
 using pigjax::avx2::RowDots;
 using pigjax::avx2::WeightedRows;
@@ -81,7 +81,7 @@ using pigjax::avx2::WeightedRows;
 // weighted V sum in registers; the chunk's K and V (at most 128 KiB) stay in L2 across the G
 // heads that share them.
 template <typename T, typename RowOf>
-PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD,
+PIGJAX_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* k_SD,
                                      const T* v_SD, int64_t d, int64_t n, RowOf row,
                                      float* scores, float* out) {
   if (n == 0) return EmptyPartials(group, d, out);
@@ -101,7 +101,6 @@ PIGJAX_DECODE_AVX2 void ChunkPartial(const float* q_GD, int64_t group, const T* 
   }
 }
 }  // namespace avx2
-#undef PIGJAX_DECODE_AVX2
 #endif  // PIGJAX_X86
 
 // o_BHD[b, k * G + g] = softmax(q . K[b, k, :len_b] / sqrt(D)) V[b, k, :len_b], and lse_BH its

@@ -9,9 +9,9 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/decode_attention.h"
 #include "xla_ffi/decode_attention_ffi.h"
-#include "xla_ffi/kernels.h"
 #include "xla_ffi/quant_ffi.h"
 #include "xla_ffi/store.h"
+#include "xla_ffi/vec_ops.h"
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;

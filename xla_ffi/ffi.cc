@@ -1,5 +1,5 @@
 // XLA FFI bindings of pigjax's host kernels, exported to Python with nanobind.
-// The kernels themselves live in headers free of XLA and nanobind includes (store.h, kernels.h).
+// The kernels themselves live in headers free of XLA and nanobind includes (store.h and below).
 #include <array>
 #include <cstring>
 #include <immintrin.h>

@@ -4,7 +4,7 @@
 // softmax mass of the rest from their proxy scores with the pool's mean V as their value.
 //
 // Pure C++: no XLA, no nanobind. Scalar and AVX2+FMA versions behind the same run-time choice as
-// kernels.h (`UseAvx2`, PIGJAX_KERNELS=scalar forces the scalar ones).
+// the other kernels (cpu_features.h `UseAvx2`; PIGJAX_KERNELS=scalar forces the scalar ones).
 #ifndef PIGJAX_XLA_FFI_PROXY_H_
 #define PIGJAX_XLA_FFI_PROXY_H_
 
@@ -15,7 +15,11 @@
 #include <limits>
 #include <vector>
 
-#include "xla_ffi/kernels.h"
+#include "xla_ffi/cpu_features.h"
+#include "xla_ffi/pool.h"
+#include "xla_ffi/sampled_attention.h"
+#include "xla_ffi/simd.h"
+#include "xla_ffi/vec_ops.h"
 
 namespace pigjax {
 
@@ -144,7 +148,6 @@ inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau, int32_t* s
 
 #ifdef PIGJAX_X86
 namespace avx2 {
-#define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
 
 // One token's codes (bits <= 4) times one head's int8 weights: the low and high nibbles of its
 // code bytes are two runs of unsigned bytes (channels 16g..16g+7 and 16g+8..16g+15 of each
@@ -308,7 +311,6 @@ PIGJAX_AVX2 inline int64_t SplitAtThreshold(const float* s, int64_t n, float tau
                                             float* z) {
   return CompressAtThreshold<false>(s, n, tau, sel, nullptr, z);
 }
-#undef PIGJAX_AVX2
 }  // namespace avx2
 #endif  // PIGJAX_X86
 
@@ -407,7 +409,6 @@ inline int64_t SelectTop(const float* s, int64_t n, int64_t k, std::vector<float
 
 #ifdef PIGJAX_X86
 namespace avx2 {
-#define PIGJAX_AVX2 __attribute__((target("avx2,fma")))
 // One pass instead of three (KthLargest's filter, then the split's exp and compress): with the
 // sample threshold theta, the scores >= theta and their ids are compressed into buf / ids while
 // the others' exp(s - theta) are summed; tau is then selected among the few kept, and the kept
@@ -447,7 +448,6 @@ PIGJAX_AVX2 inline int64_t SelectTop(const float* s, int64_t n, int64_t k,
   *z = zs;
   return count;
 }
-#undef PIGJAX_AVX2
 }  // namespace avx2
 #endif  // PIGJAX_X86
 

@@ -38,12 +38,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
-#define PIGJAX_QUANT_X86 1
-#include <immintrin.h>
-#endif
-
-#include "xla_ffi/kernels.h"  // the attend kernel's AVX2 horizontal sum and max
+#include "xla_ffi/cpu_features.h"
+#include "xla_ffi/simd.h"  // the AVX2 horizontal sum and max
 
 namespace pigjax::quant {
 
@@ -214,25 +210,23 @@ inline void MatMulRows(Format f, bool /*low: r is 0 without it*/, bool packed, c
 
 }  // namespace scalar
 
-#ifdef PIGJAX_QUANT_X86
+#ifdef PIGJAX_X86
 namespace avx2 {
 
-#define PIGJAX_QUANT_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-PIGJAX_QUANT_AVX2 inline int HSum(__m256i v) {
+PIGJAX_AVX2_F16C inline int HSum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
 }
 
-PIGJAX_QUANT_AVX2 inline uint16_t U16(const uint8_t* p) {
+PIGJAX_AVX2_F16C inline uint16_t U16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return h;
 }
 
-PIGJAX_QUANT_AVX2 inline void QuantizeRow(const float* x, int64_t k, bool low, ActBlock* out) {
+PIGJAX_AVX2_F16C inline void QuantizeRow(const float* x, int64_t k, bool low, ActBlock* out) {
   const __m256 sign_mask = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
@@ -275,7 +269,7 @@ PIGJAX_QUANT_AVX2 inline void QuantizeRow(const float* x, int64_t k, bool low, A
 // sum_j code_j v_j of one row's codes as 8 int32 lanes, with the raw nibbles (0..15) for Q4: the
 // caller subtracts 8 sv (ActBlock) from the row's sum.
 template <Format F>
-PIGJAX_QUANT_AVX2 inline __m256i RawCodesDot(const uint8_t* codes, __m256i x0, __m256i x1) {
+PIGJAX_AVX2_F16C inline __m256i RawCodesDot(const uint8_t* codes, __m256i x0, __m256i x1) {
   __m256i c0, c1;
   if constexpr (F == Format::kQ8_0) {
     c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
@@ -293,7 +287,7 @@ PIGJAX_QUANT_AVX2 inline __m256i RawCodesDot(const uint8_t* codes, __m256i x0, _
 // model does not pack (`quant.pack` needs N a multiple of 4); the model's weights take
 // MatMulPackedT below.
 template <Format F>
-PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
+PIGJAX_AVX2_F16C void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
                                    int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int bytes = BlockBytes(F);
   const int64_t row_bytes = nb * bytes;
@@ -323,7 +317,7 @@ PIGJAX_QUANT_AVX2 void MatMulRowsT(const uint8_t* w, int64_t nb, const ActBlock*
 // stream and its scales one load. No software prefetch: the hardware prefetcher follows the one
 // stream (0 to 4 KB ahead measured no faster on the Zen 4 VM).
 template <Format F>
-PIGJAX_QUANT_AVX2 void MatMulPackedT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
+PIGJAX_AVX2_F16C void MatMulPackedT(const uint8_t* w, int64_t nb, const ActBlock* xq, int64_t M,
                                      int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int x4_bytes = kPackRows * BlockBytes(F);
   constexpr int header = kPackRows * HeaderBytes(F);
@@ -386,7 +380,7 @@ inline void MatMulRows(Format f, bool /*low: r is 0 without it*/, bool packed, c
 }
 
 }  // namespace avx2
-#endif  // PIGJAX_QUANT_X86
+#endif  // PIGJAX_X86
 
 struct QuantOps {
   const char* isa;
@@ -403,15 +397,9 @@ struct QuantOps {
 // the fallback (as for the attend kernel's GetVecOps).
 inline const QuantOps& GetQuantOps() {
   static const QuantOps scalar_ops{"scalar", &scalar::QuantizeRow, &scalar::MatMulRows};
-#ifdef PIGJAX_QUANT_X86
+#ifdef PIGJAX_X86
   static const QuantOps avx2_ops{"avx2", &avx2::QuantizeRow, &avx2::MatMulRows};
-  static const bool has_avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  const char* force = std::getenv("PIGJAX_KERNELS");
-  if (has_avx2 && !(force && std::strcmp(force, "scalar") == 0)) return avx2_ops;
+  if (UseAvx2F16c()) return avx2_ops;
 #endif
   return scalar_ops;
 }

@@ -22,24 +22,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "xla_ffi/kernels.h"
+#include "xla_ffi/lsh_tables.h"
+#include "xla_ffi/pool.h"
 #include "xla_ffi/proxy.h"
+#include "xla_ffi/sampled_attention.h"
 #include "xla_ffi/thread_pool.h"
+#include "xla_ffi/vec_ops.h"
 
 namespace pigjax {
-
-// Host K/V storage. kI8: int8 with one float scale per K row and per V row (in a side array of
-// the pool).
-enum class DType { kF32, kBf16, kI8 };
-
-inline const char* DTypeName(DType t) {
-  return t == DType::kF32 ? "float32" : t == DType::kBf16 ? "bfloat16" : "int8";
-}
-inline int64_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : t == DType::kBf16 ? 2 : 1; }
-// Host bytes of one pool token's K/V: its row, and an int8 row's two f32 scales.
-inline int64_t TokenBytes(int64_t d, DType t) {
-  return RowBytes(d, DTypeSize(t)) + (t == DType::kI8 ? 8 : 0);
-}
 
 template <typename... Args>
 std::string Str(const Args&... args) {
@@ -286,8 +276,6 @@ struct Profile {
     for (int b = 0; b < kBins; ++b) candidate_bins[b] += o.candidate_bins[b];
   }
 };
-
-inline uint64_t NowNs() { return NowNsKernel(); }
 
 // Below this many (pool token x query head) pairs an attend runs on the calling thread: waking
 // the pool's threads costs tens of microseconds, more than such a call takes on one core.
