@@ -9,8 +9,8 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/decode_attention.h"
 #include "xla_ffi/decode_attention_ffi.h"
+#include "xla_ffi/errors.h"
 #include "xla_ffi/quant_ffi.h"
-#include "xla_ffi/store.h"
 #include "xla_ffi/vec_ops.h"
 
 namespace nb = nanobind;

@@ -18,6 +18,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/decode_attention_ffi.h"
 #include "xla_ffi/quant_ffi.h"
+#include "xla_ffi/registry.h"
 #include "xla_ffi/store.h"
 
 namespace nb = nanobind;

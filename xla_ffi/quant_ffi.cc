@@ -11,6 +11,7 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/errors.h"
 #include "xla_ffi/quant.h"
 #include "xla_ffi/quant_ffi.h"
 #include "xla_ffi/store.h"

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "xla_ffi/errors.h"
 #include "xla_ffi/lsh_tables.h"
 #include "xla_ffi/pool.h"
 #include "xla_ffi/proxy.h"
@@ -30,22 +31,6 @@
 #include "xla_ffi/vec_ops.h"
 
 namespace pigjax {
-
-template <typename... Args>
-std::string Str(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
-
-template <size_t N>
-std::string ShapeStr(const std::array<int64_t, N>& s) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < N; ++i) os << (i ? ", " : "") << s[i];
-  os << "]";
-  return os.str();
-}
 
 // The pool estimator a store runs (config.ESTIMATORS): the paper's LSH sampling, or the proxy
 // index + exact top rows + mean-V tail (proxy.h, pigjax/estimators.py).
@@ -623,22 +608,6 @@ inline float ElementAsF32(const void* x, DType t, int64_t i) {
                           : ToF32(static_cast<const bf16*>(x)[i]);
 }
 
-// "fn: name[i0, i1, ...] = nan is not finite; ..." for flat index i of an array of shape dims.
-template <size_t N>
-std::string NonFiniteError(const char* fn, const char* name, const std::array<int64_t, N>& dims,
-                           int64_t flat, float value) {
-  std::array<int64_t, N> idx{};
-  for (size_t k = N; k-- > 0;) {
-    idx[k] = flat % dims[k];
-    flat /= dims[k];
-  }
-  std::ostringstream os;
-  os << fn << ": " << name << ShapeStr(idx) << " = " << value
-     << " is not finite; the store accepts only finite keys, values, means and queries (a NaN or "
-        "Inf here usually means the model's activations overflowed).";
-  return os.str();
-}
-
 inline std::string Store::Insert(const InsertArgs& a) {
   const StoreConfig& c = cfg_;
   if (auto e = CheckLayer(a.layer); !e.empty()) return "store_insert: " + e;
@@ -929,51 +898,5 @@ inline std::string Store::Attend(const AttendArgs& a) {
 }  // namespace pigjax
 
 #include "xla_ffi/store_proxy.h"
-
-namespace pigjax {
-
-// ---------------------------------------------------------------------------------------------
-// Handle registry: Python and the FFI handlers refer to stores by an int32 handle.
-
-class Registry {
- public:
-  static Registry& Get() {
-    static Registry* r = new Registry();  // never destroyed: handlers may run at exit
-    return *r;
-  }
-  int32_t Add(std::shared_ptr<Store> s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const int32_t h = next_++;
-    stores_[h] = std::move(s);
-    return h;
-  }
-  // Null if unknown. The shared_ptr keeps the store alive while a call uses it.
-  std::shared_ptr<Store> Find(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = stores_.find(handle);
-    return it == stores_.end() ? nullptr : it->second;
-  }
-  bool Remove(int64_t handle) {
-    std::shared_ptr<Store> s;  // destroyed outside the lock
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = stores_.find(handle);
-    if (it == stores_.end()) return false;
-    s = std::move(it->second);
-    stores_.erase(it);
-    return true;
-  }
-
- private:
-  std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<Store>> stores_;
-  int32_t next_ = 1;
-};
-
-inline std::string UnknownHandle(const char* fn, int64_t handle) {
-  return Str(fn, ": unknown store handle ", handle,
-             " (the HostKVStore was closed, or the handle never came from one).");
-}
-
-}  // namespace pigjax
 
 #endif  // PIGJAX_XLA_FFI_STORE_H_
