@@ -1,9 +1,11 @@
 """Continuous batching without a socket: a request's tokens do not depend on its neighbours or on
-when it joined, per-row sampling needs no recompilation, cancelled and finished requests free
-their rows, stop strings and limits end requests, and MagicPIG placement picks the CPU."""
+when it joined, per-row sampling needs no recompilation, cancelled, timed-out and finished
+requests free their rows, stop strings and limits end requests, a bounded queue refuses past its
+bound, and MagicPIG placement picks the CPU."""
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ from pigjax import placement, sampling
 from pigjax.config import AttentionConfig, Config, SamplingConfig
 from pigjax.pipeline import Pipeline
 from pigjax.serving.batch import SlotBatch
-from pigjax.serving.scheduler import PromptTooLong, RequestParams, Scheduler, _safe_prefix
+from pigjax.serving.scheduler import (PromptTooLong, QueueFull, RequestParams, Scheduler,
+                                     _safe_prefix)
 
 SLOTS = 3
 CACHE = 256
@@ -282,3 +285,56 @@ def test_a_failed_decode_step_ends_every_running_row_and_serving_goes_on(sched, 
   assert [t for o in outs[prefilling] for t in o.token_ids] == alone
   assert run(sched, [PROMPTS[0]], [greedy])[0][0] == alone
   assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_a_deadline_ends_a_request_wherever_it_is_and_frees_its_row(sched):
+  """Past its deadline a request ends with finish_reason "timeout" (one final Output, no token
+  sent twice) whether it was decoding, being prefilled or waiting; its row is free at once and
+  the requests without a deadline get the tokens they get alone."""
+  greedy = RequestParams(max_tokens=12)
+  alone = run(sched, [PROMPTS[2]], [greedy])[0][0]
+  long = RequestParams(max_tokens=200, ignore_eos=True)
+  outs, emit = _collecting()
+  deadline = time.monotonic() + 3600
+  decoding = [sched.submit(prompt(20, s), long, emit, deadline=deadline) for s in range(SLOTS)]
+  waiting = sched.submit(prompt(20, 9), long, emit, deadline=deadline)
+  for _ in range(8):
+    sched.step()
+  assert sched.num_running == SLOTS and sched.num_waiting == 1
+  # Move the deadlines into the past (the requests hold them as given to submit).
+  for req in [r for r in sched._rows if r is not None] + list(sched._waiting):
+    req.deadline = time.monotonic() - 1
+  good = sched.submit(PROMPTS[2], greedy, emit)
+  sched.step()
+  for rid in decoding + [waiting]:
+    [final] = _finals(outs, rid)
+    assert final.finish_reason == "timeout" and final.token_ids == []
+    sent = [t for o in outs[rid] for t in o.token_ids]
+    assert len(sent) == final.completion_tokens
+  assert len(outs[waiting]) == 1 and outs[waiting][0].completion_tokens == 0
+  assert sched.num_running == 0  # every row freed in that one step; `good` is being prefilled
+  sched.run_until_idle()
+  assert [t for o in outs[good] for t in o.token_ids] == alone
+  # A deadline that passes while its request is being prefilled (90 tokens: 3 chunks).
+  late = sched.submit(PROMPTS[0], greedy, emit, deadline=time.monotonic() + 3600)
+  sched.step()
+  assert sched._prefill is not None and sched._prefill[0].id == late
+  sched._prefill[0].deadline = time.monotonic() - 1
+  sched.step()
+  assert [f.finish_reason for f in _finals(outs, late)] == ["timeout"]
+  assert sched.num_running == 0 and sched.num_waiting == 0 and not sched.has_work()
+  with pytest.raises(ValueError, match="deadline"):
+    sched.submit(PROMPTS[0], greedy, emit, deadline=float("nan"))
+
+
+def test_a_bounded_queue_refuses_past_max_waiting_and_accepts_again(sched):
+  bounded = Scheduler(sched.batch, sched.tokenizer, CACHE, max_waiting=2)
+  outs, emit = _collecting()
+  ids = [bounded.submit(prompt(5, s), RequestParams(max_tokens=2), emit) for s in range(2)]
+  with pytest.raises(QueueFull, match="max_waiting"):
+    bounded.submit(prompt(5, 7), RequestParams(max_tokens=2), emit)
+  bounded.step()  # one leaves the queue for its prefill: room for one more
+  ids.append(bounded.submit(prompt(5, 7), RequestParams(max_tokens=2), emit))
+  bounded.run_until_idle()
+  assert all(_finals(outs, i)[0].finish_reason in ("length", "stop") for i in ids)
+  assert bounded.num_running == 0 and bounded.num_waiting == 0

@@ -15,6 +15,11 @@ Per-request text is produced on the host: new ids are decoded incrementally, sto
 strings end a request (`sampling.StopChecker`), and text that could be the start of a stop string
 is held back until it is known not to be one.
 
+A request may carry a deadline (`submit(..., deadline=)`, on the `time.monotonic()` clock): once
+it passes, the request ends with finish_reason "timeout" wherever it is (waiting, prefilling or
+decoding), with the text it has, and its row is freed. The waiting queue may be bounded
+(`max_waiting`): a submit past it raises `QueueFull`.
+
 Faults stay with the request that caused them: an exception while one request is prefilled,
 admitted or has its token post-processed ends that request alone with finish_reason "error".
 Only a failure of the shared decode step ends every running row (each with an error Output);
@@ -31,6 +36,7 @@ import logging
 import math
 import random
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -85,13 +91,17 @@ class PromptTooLong(ValueError):
   """The prompt plus max_tokens does not fit in a row's context."""
 
 
+class QueueFull(RuntimeError):
+  """`max_waiting` requests are already waiting for a row."""
+
+
 @dataclasses.dataclass
 class Output:
   """What a request produced since its previous Output."""
   request_id: str
   text: str  # new text (stop strings and what follows them are never included)
   token_ids: list[int]  # new generated ids
-  finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" | None
+  finish_reason: str | None = None  # "stop" | "length" | "timeout" | "cancelled" | "error"
   prompt_tokens: int = 0
   completion_tokens: int = 0  # generated so far
   pool_fraction: float | None = None  # MagicPIG: share of the pool attended (on finish)
@@ -106,7 +116,9 @@ class _Request:
   on_output: Callable[[Output], None]
   seed: int
   checker: sampling.StopChecker
+  deadline: float | None = None  # time.monotonic() past which the request ends
   new_ids: list[int] = dataclasses.field(default_factory=list)
+  text: str = ""  # the text of new_ids (stop strings cut), as far as sent or held back
   sent_chars: int = 0
   slot: int = -1
 
@@ -121,12 +133,15 @@ class Scheduler:
     batch: the device rows.
     tokenizer: decodes ids (and gives stop ids).
     context_limit: most prompt + generated tokens per request.
+    max_waiting: most requests waiting for a row (a submit past it raises QueueFull); 0: no
+      bound.
   """
 
-  def __init__(self, batch: SlotBatch, tokenizer, context_limit: int):
+  def __init__(self, batch: SlotBatch, tokenizer, context_limit: int, max_waiting: int = 0):
     self.batch = batch
     self.tokenizer = tokenizer
     self.context_limit = min(context_limit, batch.cache_len)
+    self.max_waiting = max_waiting
     B = batch.slots
     self._lock = threading.Condition()
     self._waiting: collections.deque[_Request] = collections.deque()
@@ -148,13 +163,20 @@ class Scheduler:
   # -- thread-safe API ----------------------------------------------------------------------
 
   def submit(self, prompt_ids: Sequence[int], params: RequestParams,
-             on_output: Callable[[Output], None]) -> str:
+             on_output: Callable[[Output], None], deadline: float | None = None) -> str:
     """Queues a request; `on_output` is called (from the scheduler thread) with its outputs.
 
+    Args:
+      deadline: a `time.monotonic()` time; when it passes the request ends with finish_reason
+        "timeout" (None: no deadline).
     Raises:
-      ValueError naming a bad field; PromptTooLong when prompt + max_tokens exceeds the context.
+      ValueError naming a bad field; PromptTooLong when prompt + max_tokens exceeds the context;
+      QueueFull when `max_waiting` requests are waiting.
     """
     params.validate()
+    if deadline is not None and (isinstance(deadline, bool) or
+                                 not isinstance(deadline, (int, float)) or deadline != deadline):
+      raise ValueError(f"deadline must be a time.monotonic() time or None, got {deadline!r}.")
     n = len(prompt_ids)
     if n < 1:
       raise ValueError("The prompt is empty: it needs at least one token.")
@@ -166,8 +188,11 @@ class Scheduler:
     req = _Request(id=f"req-{next(self._ids)}", prompt_ids=list(prompt_ids), params=params,
                    on_output=on_output, seed=int(seed) % 2**31,
                    checker=sampling.StopChecker(() if params.ignore_eos else self.tokenizer.stop_ids, params.stop,
-                                                self.tokenizer))
+                                                self.tokenizer), deadline=deadline)
     with self._lock:
+      if self.max_waiting and len(self._waiting) >= self.max_waiting:
+        raise QueueFull(f"{len(self._waiting)} requests are already waiting for a row (the "
+                        f"server's limit, serve.max_waiting); retry shortly.")
       self._waiting.append(req)
       self._lock.notify()
     return req.id
@@ -200,6 +225,7 @@ class Scheduler:
   def step(self) -> bool:
     """One scheduling round (see the module docstring). Returns whether it did any work."""
     did = self._drop_cancelled()
+    did = self._drop_expired() or did
     if self._prefill is None:
       with self._lock:
         slot = self._free_slot() if self._waiting else None
@@ -289,6 +315,29 @@ class Scheduler:
           self._fail_request(req, e, "cancellation")
     return True
 
+  def _drop_expired(self) -> bool:
+    """Ends every request whose deadline has passed (finish_reason "timeout")."""
+    now = time.monotonic()
+    late = lambda r: r.deadline is not None and now >= r.deadline
+    with self._lock:
+      expired = [r for r in self._waiting if late(r)]
+      for req in expired:
+        self._waiting.remove(req)
+    for req in expired:
+      self._emit(req, "", [], "timeout")
+    if self._prefill is not None and late(self._prefill[0]):
+      req, self._prefill = self._prefill[0], None
+      self._emit(req, "", [], "timeout")
+      expired.append(req)
+    for req in list(self._rows):
+      if req is not None and late(req):
+        expired.append(req)
+        try:
+          self._finish(req, req.text, "timeout")
+        except Exception as e:
+          self._fail_request(req, e, "timeout")
+    return bool(expired)
+
   def _admit(self, req: _Request, p: Prefill) -> None:
     b, prm = req.slot, req.params
     hist = np.full(self.batch.cache_len, -1, np.int32)
@@ -324,6 +373,7 @@ class Scheduler:
     if n - 1 < self._history_BS.shape[1]:
       self._history_BS[b, n - 1] = tok
     status = req.checker.check(req.new_ids)
+    req.text = status.text
     if status.stopped:
       self._finish(req, status.text, "stop")
     elif len(req.new_ids) >= req.params.max_tokens or n >= self.context_limit:
@@ -343,7 +393,7 @@ class Scheduler:
     self._params[b] = RequestParams()
     self._history_BS[b] = -1
     self.batch.free(b)
-    last = req.new_ids[-1:] if reason != "cancelled" else []
+    last = req.new_ids[-1:] if reason not in ("cancelled", "timeout") else []  # else sent
     self._emit(req, text[req.sent_chars:], last, reason, pool_fraction)
 
   def _emit(self, req: _Request, text: str, ids: list[int], reason: str | None,
