@@ -8,6 +8,8 @@ repetition_penalty, and ignore_eos (vLLM's: generate max_tokens tokens, for benc
 Every field is checked for its JSON type and for a range that fits the scheduler's per-row
 operands (int32 and float32) before the request is queued, so nothing a client sends can fail
 inside the shared decode step. Booleans must be JSON booleans: "false" is a non-empty string.
+The operator's limits (`serve.max_tokens_limit`, `max_messages`, `max_stop_strings`,
+`max_stop_chars`) are checked here too, each with a 400 naming the field and the setting.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ class ApiError(Exception):
   """An error answered as OpenAI's JSON error body."""
 
   def __init__(self, status: int, message: str, param: str | None = None,
-               code: str | None = None, type_: str = "invalid_request_error"):
+               code: str | None = None, type_: str = "invalid_request_error",
+               headers: dict[str, str] | None = None):
     super().__init__(message)
     self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+    self.headers = headers  # sent with the error (Retry-After, WWW-Authenticate)
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -42,6 +46,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1  # OpenAI's (and vLLM's) range for seed
 MAX_PENALTY = 100.0  # repetition_penalty's upper bound: finite in float32, far past any use
 MAX_INT_DIGITS = 40  # longer integer literals are kept as `_LongInt`, never converted
+MAX_TIMEOUT_S = 1e7  # a request's `timeout` bound (finite; about four months)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -128,8 +133,14 @@ def _short(v: Any) -> str:
   return r if len(r) <= 60 else r[:57] + "..."
 
 
-def parse_params(body: dict, default_max_tokens: int) -> RequestParams:
-  """RequestParams from an OpenAI body; raises ApiError(400) naming the bad field."""
+def parse_params(body: dict, default_max_tokens: int, max_tokens_limit: int = 0,
+                 max_stop_strings: int = 16, max_stop_chars: int = 256) -> RequestParams:
+  """RequestParams from an OpenAI body; raises ApiError(400) naming the bad field.
+
+  Args:
+    max_tokens_limit: the largest max_tokens accepted (0: int32's); it also caps the default.
+    max_stop_strings, max_stop_chars: how many stop strings, of how many characters each.
+  """
   for name, off in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0)):
     if body.get(name, off) not in (None, off):
       raise _bad(name, f"'{name}' is not supported by pigjax (only {off}).")
@@ -140,17 +151,30 @@ def parse_params(body: dict, default_max_tokens: int) -> RequestParams:
     raise _bad("echo", "'echo' is not supported by pigjax.")
   max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-  max_tokens = (default_max_tokens if max_tokens is None else
-                _number({name: max_tokens}, name, None, int, lo=1, hi=INT32_MAX))
+  hi = min(max_tokens_limit, INT32_MAX) if max_tokens_limit > 0 else INT32_MAX
+  if max_tokens is None:
+    max_tokens = min(default_max_tokens, hi)
+  else:
+    max_tokens = _number({name: max_tokens}, name, None, int, lo=1, hi=INT32_MAX)
+    if max_tokens > hi:
+      raise _bad(name, f"'{name}' must be at most {hi} on this server "
+                       f"(serve.max_tokens_limit), got {max_tokens}.")
   stop = body.get("stop")
   if stop is None:
     stop = ()
   elif isinstance(stop, str):
     stop = (stop,)
-  elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+  elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
     stop = tuple(stop)
   else:
-    raise _bad("stop", "'stop' must be a string or a list of at most 16 strings.")
+    raise _bad("stop", "'stop' must be a string or a list of strings.")
+  if len(stop) > max_stop_strings:
+    raise _bad("stop", f"'stop' may hold at most {max_stop_strings} strings on this server "
+                       f"(serve.max_stop_strings), got {len(stop)}.")
+  if any(len(s) > max_stop_chars for s in stop):
+    raise _bad("stop", f"Each 'stop' string may be at most {max_stop_chars} characters on "
+                       f"this server (serve.max_stop_chars), got one of "
+                       f"{max(len(s) for s in stop)}.")
   return RequestParams(
       max_tokens=max_tokens,
       temperature=_number(body, "temperature", 1.0, lo=0, hi=2),
@@ -184,11 +208,14 @@ def completion_prompt(body: dict) -> str:
   return prompt
 
 
-def chat_messages(body: dict) -> list[dict]:
+def chat_messages(body: dict, max_messages: int = 1024) -> list[dict]:
   """Messages with string contents (text parts are joined); raises ApiError naming the field."""
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects.")
+  if len(messages) > max_messages:
+    raise _bad("messages", f"'messages' may hold at most {max_messages} messages on this server "
+                           f"(serve.max_messages), got {len(messages)}.")
   out = []
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
@@ -226,6 +253,15 @@ def include_usage(body: dict) -> bool:
 
 def stream_flag(body: dict) -> bool:
   return _flag(body, "stream")
+
+
+def request_timeout(body: dict, server_timeout: float) -> float | None:
+  """Seconds the request may take: its `timeout` field (> 0), at most `server_timeout` when
+  that is set (> 0); None when neither is."""
+  t = _number(body, "timeout", None, float, lo=0, hi=MAX_TIMEOUT_S, lo_open=True)
+  if server_timeout > 0:
+    return server_timeout if t is None else min(t, server_timeout)
+  return t
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
