@@ -158,6 +158,28 @@ class ServeConfig:
   """The model id /v1/models reports and requests name; "" takes it from the checkpoint."""
   max_body_bytes: int = 8 * 2**20
   """The largest request body accepted, in bytes; a larger one gets 413 before it is parsed."""
+  api_keys: tuple[str, ...] = ()
+  """Keys accepted as `Authorization: Bearer <key>` on every /v1/* request (others get 401);
+  empty: no authentication. `--api_key` adds to these."""
+  max_waiting: int = 128
+  """Requests that may wait for a row; past it a request gets 429 with Retry-After. 0: no
+  bound."""
+  max_tokens_limit: int = 0
+  """The largest max_tokens a request may ask for (400 past it); 0: only the context bounds it."""
+  max_messages: int = 1024
+  """The most messages a chat request may hold (400 past it)."""
+  max_stop_strings: int = 16
+  """The most stop strings a request may give (400 past it)."""
+  max_stop_chars: int = 256
+  """The longest stop string a request may give, in characters (400 past it)."""
+  request_timeout: float = 0.0
+  """Seconds a request may take from arrival, and the deadline of one that gives no `timeout`;
+  one past it ends with finish_reason "length" and frees its row. 0: no deadline."""
+  shutdown_grace_s: float = 30.0
+  """After SIGTERM, seconds the running requests get to finish (new ones get 503) before the
+  server exits."""
+  log_prompts: bool = False
+  """Put each request's prompt text in its access-log line (off: ids, status, tokens, latency)."""
 
 
 @dataclasses.dataclass(frozen=True)
