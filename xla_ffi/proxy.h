@@ -17,8 +17,8 @@
 
 #include "xla_ffi/cpu_features.h"
 #include "xla_ffi/pool.h"
-#include "xla_ffi/sampled_attention.h"
 #include "xla_ffi/simd.h"
+#include "xla_ffi/softmax.h"
 #include "xla_ffi/vec_ops.h"
 
 namespace pigjax {
@@ -468,7 +468,7 @@ inline const ProxyOps& GetProxyOps() {
   return scalar_ops;
 }
 
-// Exact attention over the rows cand[0..count): the running (o, m, z) of AccumulateAttention
+// Exact attention over the rows cand[0..count): the running (o, m, z) of AccumulateSoftmax
 // without importance weights: s = scale * q . k with raw keys (docs/design.md, "The algorithm",
 // step 2).
 template <typename T>
@@ -479,9 +479,8 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
   const int64_t rb = pool.row_bytes, ahead_n = PrefetchAhead();
   auto key = [&](int64_t i) { return reinterpret_cast<const T*>(rows + i * rb); };
   float* s = scratch;  // [kChunk]
-  [[maybe_unused]] const bool vectorized = std::strcmp(ops.isa, "avx2") == 0 && d % 8 == 0;
-  for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
-    const int64_t nc = std::min(kChunk, count - c0);
+  AccumulateSoftmax<T>(ops, d, pool, cand, count, s, o, m, z, nullptr,
+                       [&](int64_t c0, int64_t nc, bool) {
     float mc = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t c = c0 + j;
@@ -490,26 +489,8 @@ void AccumulateExact(const VecOps& ops, const float* q, int64_t d, const PoolVie
       s[j] = pool.k_scale(i) * ops.Dot(q, key(i), d) * scale;
       mc = std::max(mc, s[j]);
     }
-    if (mc > m) {
-      if (z > 0.f) {
-        const float r = std::exp(m - mc);
-        z *= r;
-        for (int64_t e = 0; e < d; ++e) o[e] *= r;
-      }
-      m = mc;
-    }
-    z += ops.exp_sum(s, nc, m);
-    const int32_t* cc = cand + c0;
-    pool.ScaleByV(cc, nc, s);
-#ifdef PIGJAX_X86
-    if (vectorized) {  // the weighted V sum in registers, as AccumulateAttention
-      avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);
-    } else
-#endif
-    {
-      for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], key(cc[j]) + d, o, d);
-    }
-  }
+    return mc;
+  });
 }
 
 }  // namespace pigjax

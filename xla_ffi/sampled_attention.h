@@ -1,6 +1,6 @@
 // MagicPIG's importance-weighted attention over a query's candidates (docs/design.md, "The
 // algorithm", steps 6-8): gather each candidate's K row, score it with its sampling probability
-// (collision_prob.h), and accumulate the V rows with an online softmax.
+// (collision_prob.h), and accumulate the V rows with the online softmax (softmax.h).
 //
 // Pure C++: no XLA, no nanobind.
 #ifndef PIGJAX_XLA_FFI_SAMPLED_ATTENTION_H_
@@ -17,36 +17,10 @@
 #include "xla_ffi/cpu_features.h"
 #include "xla_ffi/pool.h"
 #include "xla_ffi/simd.h"
+#include "xla_ffi/softmax.h"
 #include "xla_ffi/vec_ops.h"
 
 namespace pigjax {
-
-// Candidates are processed in chunks: gather K rows and score the chunk (vectorised log u),
-// then exp and accumulate its V rows, rescaling the running sum when the maximum grows (as in
-// flash attention). A chunk's V rows are prefetched together with its K rows, so they are in
-// cache by the time the chunk's second half needs them.
-constexpr int64_t kChunk = 64;
-// How many candidates ahead the gather prefetches: rows are scattered over the pool, so each is
-// a cache miss unless requested early (about a DRAM latency's worth of work ahead).
-constexpr int64_t kPrefetchAhead = 16;
-// Scratch floats AccumulateAttention needs.
-constexpr int64_t kAttentionScratch = 2 * kChunk;
-
-// Every cache line of [p, p + bytes).
-inline void PrefetchLines(const char* p, int64_t bytes) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
-  }
-}
-
-inline int64_t PrefetchAhead() {
-  static const int64_t ahead = [] {
-    const char* e = std::getenv("PIGJAX_PREFETCH_AHEAD");
-    return e ? std::max(1, std::atoi(e)) : kPrefetchAhead;
-  }();
-  return ahead;
-}
 
 namespace scalar {
 // *qk = k_scale * (q . k) and *norm = |k_scale * k - mu| of one row's key k.
@@ -114,11 +88,11 @@ PIGJAX_AVX2 void GatherDotNorms(const float* q, int64_t d, const PoolView& pool,
 }  // namespace avx2
 #endif  // PIGJAX_X86
 
-// Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query: o[D] holds
-// sum_c w_c v_c with w_c = exp(s_c - m), z = sum_c w_c, m the largest score so far (start from
-// o = 0, z = 0, m = -inf). `scratch`: >= kAttentionScratch floats. Raw keys in the logits
-// (centred keys only in the cosine; docs/design.md, "The algorithm", step 2). split_ns (optional,
-// profiling): += wall time of the score and the softmax phases.
+// Adds candidates `cand[0..count)` to a running softmax-weighted sum for one query (o, m, z as
+// AccumulateSoftmax), each scored s = q.k / sqrt(D) - log u(cos). `scratch`: >= kAttentionScratch
+// floats. Raw keys in the logits (centred keys only in the cosine; docs/design.md, "The
+// algorithm", step 2). split_ns (optional, profiling): += wall time of the score and the softmax
+// phases.
 template <typename T>
 void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const PoolView& pool,
                          const int32_t* cand, int64_t count, const LogCollisionTable& log_u,
@@ -132,13 +106,9 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
                            1.f / std::sqrt(static_cast<float>(d))};
   float* s = scratch;              // [kChunk]: q.k, then scores, then weights
   float* norm = scratch + kChunk;  // [kChunk]
-  // The AVX2 chunk kernels need whole 8-lane vectors per row; other head dims (and
-  // PIGJAX_KERNELS=scalar) take the primitive-by-primitive path.
-  [[maybe_unused]] const bool vectorized = std::strcmp(ops.isa, "avx2") == 0 && d % 8 == 0;
-  for (int64_t c0 = 0; c0 < count; c0 += kChunk) {
-    const int64_t nc = std::min(kChunk, count - c0);
+  AccumulateSoftmax<T>(ops, d, pool, cand, count, s, o, m, z, split_ns,
+                       [&](int64_t c0, int64_t nc, [[maybe_unused]] bool vectorized) {
     const int32_t* cc = cand + c0;
-    const uint64_t t0 = split_ns ? NowNs() : 0;
 #ifdef PIGJAX_X86
     if (vectorized) {
       avx2::GatherDotNorms<T>(q, d, pool, cc, nc, count - c0, ahead_n, s, norm);
@@ -150,44 +120,8 @@ void AccumulateAttention(const VecOps& ops, const float* q, int64_t d, const Poo
         scalar::DotNorm(q, pool.mu, key(cc[j]), d, pool.k_scale(cc[j]), &s[j], &norm[j]);
       }
     }
-    const float mc = ops.scores(s, norm, nc, params, log_u, s);
-    const uint64_t t1 = split_ns ? NowNs() : 0;
-    if (mc > m) {
-      if (z > 0.f) {
-        const float r = std::exp(m - mc);
-        z *= r;
-        for (int64_t e = 0; e < d; ++e) o[e] *= r;
-      }
-      m = mc;
-    }
-    z += ops.exp_sum(s, nc, m);
-    pool.ScaleByV(cc, nc, s);
-#ifdef PIGJAX_X86
-    if (vectorized) {
-      avx2::WeightedRows<T>(s, d, nc, [&](int64_t j) { return key(cc[j]) + d; }, o);
-    } else
-#endif
-    {
-      for (int64_t j = 0; j < nc; ++j) ops.Axpy(s[j], key(cc[j]) + d, o, d);
-    }
-    if (split_ns) {
-      const uint64_t t2 = NowNs();
-      split_ns[0] += t1 - t0;
-      split_ns[1] += t2 - t1;
-    }
-  }
-}
-
-// o[D] /= z and *lse = m + log z; an empty sum gives o = 0 and lse = -inf.
-inline void FinishAttention(float* o, int64_t d, float m, float z, float* lse) {
-  if (!(z > 0.f)) {
-    std::fill(o, o + d, 0.f);
-    *lse = -std::numeric_limits<float>::infinity();
-    return;
-  }
-  const float inv_z = 1.f / z;
-  for (int64_t j = 0; j < d; ++j) o[j] *= inv_z;
-  *lse = m + std::log(z);
+    return ops.scores(s, norm, nc, params, log_u, s);
+  });
 }
 
 }  // namespace pigjax

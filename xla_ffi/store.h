@@ -27,6 +27,7 @@
 #include "xla_ffi/pool.h"
 #include "xla_ffi/proxy.h"
 #include "xla_ffi/sampled_attention.h"
+#include "xla_ffi/softmax.h"
 #include "xla_ffi/thread_pool.h"
 #include "xla_ffi/vec_ops.h"
 
@@ -265,9 +266,6 @@ struct Profile {
 // Below this many (pool token x query head) pairs an attend runs on the calling thread: waking
 // the pool's threads costs tens of microseconds, more than such a call takes on one core.
 constexpr int64_t kMinParallelWork = 32768;
-// Candidates per piece of the two-phase attend: large enough that a piece's fixed costs (two
-// dots, one merge of D floats) vanish, small enough that nine heads make many pieces.
-constexpr int64_t kPieceCandidates = 512;
 
 class Store {
  public:
@@ -327,9 +325,9 @@ class Store {
     for (const auto& p : pools_) b += p.Bytes();
     for (const auto& s : scratch_) b += s.Bytes();
     for (const auto& c : item_cand_) b += 4 * c.capacity();
-    b += 4 * (item_q_.capacity() + piece_o_.capacity() + piece_mz_.capacity() +
-              item_w_.capacity() + item_sw_.capacity() + item_bias_.capacity() +
-              item_tail_.capacity() + score_.capacity()) + item_wq_.capacity();
+    b += 4 * (item_q_.capacity() + item_w_.capacity() + item_sw_.capacity() +
+              item_bias_.capacity() + item_tail_.capacity() + score_.capacity()) +
+         item_wq_.capacity() + pieces_.Bytes();
     return b;
   }
 
@@ -380,6 +378,13 @@ class Store {
     }
   }
 
+  // ParallelFor as Pieces::Run calls it.
+  auto PieceFor(bool inline_only) {
+    return [this, inline_only](int64_t n, const ThreadPool::Task& task) {
+      ParallelFor(n, task, inline_only);
+    };
+  }
+
   HeadPool& Pool(int64_t layer, int64_t slot, int64_t kvh) {
     return pools_[(size_t(layer) * cfg_.num_slots + slot) * cfg_.num_kv_heads + kvh];
   }
@@ -393,25 +398,6 @@ class Store {
                      Scratch& s);
   void IndexTokens(const InsertArgs& a, int64_t b, int64_t kvh, HeadPool& p, int64_t len);
   std::string AttendProxy(const AttendArgs& a, bool inline_only);
-
-  // o [D] and *lse of query head `item` from its pieces, which start at pieces_[first] (pieces_
-  // holds each head's pieces in order, heads in order), merged by log-sum-exp in piece order.
-  // Returns the index of the next head's first piece.
-  int64_t MergePieces(int64_t item, int64_t first, float* o, float* lse) const {
-    const int64_t d = cfg_.head_dim, np = static_cast<int64_t>(pieces_.size());
-    int64_t end = first;
-    while (end < np && pieces_[end].item == item) ++end;
-    std::fill(o, o + d, 0.f);
-    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
-    for (int64_t k = first; k < end; ++k) m = std::max(m, piece_mz_[2 * k]);
-    for (int64_t k = first; k < end; ++k) {
-      const float r = std::exp(piece_mz_[2 * k] - m);
-      z += r * piece_mz_[2 * k + 1];
-      for (int64_t e = 0; e < d; ++e) o[e] += r * piece_o_[k * d + e];
-    }
-    FinishAttention(o, d, m, z, lse);
-    return end;
-  }
 
   // Profiling: the distinct ids among the (ascending) candidates of query heads g0..g0 + group.
   // They are 73-75% of the candidates at 32k-128k, yet reading those rows once for all the heads
@@ -434,13 +420,10 @@ class Store {
   }
 
   // Attend (see Attend): per query head its f32 query and candidates; the pieces of candidates
-  // and their partial softmax sums (o [D], then m and z).
-  struct Piece {
-    int64_t item, begin, end;
-  };
+  // with their partial softmax sums.
   std::vector<std::vector<int32_t>> item_cand_;
-  std::vector<float> item_q_, piece_o_, piece_mz_;
-  std::vector<Piece> pieces_;
+  std::vector<float> item_q_;
+  Pieces pieces_;
   // Proxy attend: per query head the scan's int8 weights [padded] and their scale, the bias, its
   // tail's lse, and the proxy scores of every pool token ([items, max pool]); item_w_ is the
   // float weights of one head before rounding [padded].
@@ -865,25 +848,13 @@ inline std::string Store::Attend(const AttendArgs& a) {
   ParallelFor(items, [&](int64_t i, int w) {
     lookup(i, scratch_[w], item_q_.data() + i * d, item_cand_[i].data());
   }, inline_only);
-  pieces_.clear();
-  for (int64_t i = 0; i < items; ++i) {
-    for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
-      pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
-    }
-  }
-  const int64_t np = static_cast<int64_t>(pieces_.size());
-  piece_o_.assign(np * d, 0.f);
-  piece_mz_.assign(2 * np, 0.f);
-  ParallelFor(np, [&](int64_t j, int w) {
-    const Piece& pc = pieces_[j];
-    float m = -std::numeric_limits<float>::infinity(), z = 0.f;
+  pieces_.Cut(a.count, items, d);
+  pieces_.Run(PieceFor(inline_only), [&](const Pieces::Piece& pc, int w, float* o, float& m,
+                                         float& z) {
     accumulate(pc.item, scratch_[w], item_q_.data() + pc.item * d,
-               item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin,
-               piece_o_.data() + j * d, m, z);
-    piece_mz_[2 * j] = m;
-    piece_mz_[2 * j + 1] = z;
-  }, inline_only);
-  for (int64_t i = 0, j = 0; i < items; ++i) j = MergePieces(i, j, a.o + i * d, &a.lse[i]);
+               item_cand_[pc.item].data() + pc.begin, pc.end - pc.begin, o, m, z);
+  });
+  for (int64_t i = 0, j = 0; i < items; ++i) j = pieces_.Merge(i, j, a.o + i * d, &a.lse[i]);
   if (prof) {
     prof_.attend_calls += 1;
     prof_.attend_ns += NowNs() - call_t0;

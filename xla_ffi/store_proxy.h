@@ -171,24 +171,14 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
   }, inline_only);
 
   // Exact attention over the selected rows, in pieces as the magicpig attend.
-  pieces_.clear();
-  for (int64_t i = 0; i < items; ++i) {
-    for (int64_t c0 = 0; c0 < a.count[i]; c0 += kPieceCandidates) {
-      pieces_.push_back({i, c0, std::min<int64_t>(a.count[i], c0 + kPieceCandidates)});
-    }
-  }
-  const int64_t np = static_cast<int64_t>(pieces_.size());
-  piece_o_.assign(np * d, 0.f);
-  piece_mz_.assign(2 * np, 0.f);
-  ParallelFor(np, [&](int64_t j, int w) {
-    const Piece& pc = pieces_[j];
+  pieces_.Cut(a.count, items, d);
+  pieces_.Run(PieceFor(inline_only), [&](const Pieces::Piece& pc, int w, float* o, float& m,
+                                         float& z) {
     const HeadPool& p = pool_of(pc.item);
     const PoolView view = View(p);
     const float* q = item_q_.data() + pc.item * d;
     const int32_t* cand = item_cand_[pc.item].data() + pc.begin;
-    float* o = piece_o_.data() + j * d;
     float* sc = scratch_[w].score.data();
-    float m = neg_inf, z = 0.f;
     const uint64_t t0 = prof ? NowNs() : 0;
     if (c.dtype == DType::kF32) {
       AccumulateExact<float>(ops_, q, d, view, cand, pc.end - pc.begin, scale, sc, o, m, z);
@@ -198,16 +188,14 @@ inline std::string Store::AttendProxy(const AttendArgs& a, bool inline_only) {
       AccumulateExact<int8_t>(ops_, q, d, view, cand, pc.end - pc.begin, scale, sc, o, m, z);
     }
     if (prof) scratch_[w].prof.softmax_ns += NowNs() - t0;
-    piece_mz_[2 * j] = m;
-    piece_mz_[2 * j + 1] = z;
-  }, inline_only);
+  });
 
   // Merge the pieces, then the tail: lse = logaddexp(lse_top, lse_rest),
   // o = exp(lse_top - lse) o_top + exp(lse_rest - lse) mean V (lsh.merge_attention).
   int64_t j = 0;
   for (int64_t i = 0; i < items; ++i) {
     float* o = a.o + i * d;
-    j = MergePieces(i, j, o, &a.lse[i]);
+    j = pieces_.Merge(i, j, o, &a.lse[i]);
     const float lse_rest = item_tail_[i];
     if (lse_rest == neg_inf) continue;
     const HeadPool& p = pool_of(i);
