@@ -12,6 +12,7 @@ Shape key:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,85 @@ def dense_attend_full(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache):
   return out_BTHD, cache
 
 
+
+def merge_attention(o1_BHD: jax.Array, lse1_BH: jax.Array, o2_BHD: jax.Array,
+                    lse2_BH: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Log-sum-exp merge of two partial attentions (docs/design.md, "The algorithm", step 10).
+
+  lse = logaddexp(lse1, lse2); o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2. A part with
+  lse = -inf gets weight exactly 0 (so merging with an empty part returns the other part
+  exactly); both empty -> o = 0, lse = -inf.
+  """
+  lse_BH = jnp.logaddexp(lse1_BH, lse2_BH)
+  safe_BH = jnp.where(jnp.isfinite(lse_BH), lse_BH, 0.0)
+
+  def weight(lse_part):
+    live = jnp.isfinite(lse_part)
+    return jnp.where(live, jnp.exp(jnp.where(live, lse_part, 0.0) - safe_BH), 0.0)[..., None]
+
+  o_BHD = (weight(lse1_BH) * o1_BHD.astype(jnp.float32)
+           + weight(lse2_BH) * o2_BHD.astype(jnp.float32))
+  return o_BHD, lse_BH
+
 def replace_at(xs: tuple, i: int, x) -> tuple:
   """A copy of tuple xs with item i replaced (per-layer cache entries)."""
   return xs[:i] + (x,) + xs[i + 1:]
+
+
+def put_row(x_B, y_1, slot):
+  """x_B with row `slot` replaced by y_1's only row (y_1 has a leading batch axis of 1)."""
+  return jax.lax.dynamic_update_index_in_dim(x_B, y_1[0].astype(x_B.dtype), slot, 0)
+
+
+def put_rows(xs: tuple, ys: tuple, slot) -> tuple:
+  """Per-layer `put_row` (None entries stay None)."""
+  return tuple(x if x is None else put_row(x, y, slot) for x, y in zip(xs, ys))
+
+
+class DenseBackend:
+  """Full attention over a device cache in every layer (the `pigjax.step.RowBackend` protocol:
+  it also serves continuous batching, where a row's stale entries are simply overwritten)."""
+
+  programs = None  # nothing compiled outside the drivers
+
+  def __init__(self, cfg):
+    from pigjax import host_attention  # the extension: loaded only by a backend that may use it
+    self.cfg = cfg
+    self.decode_attend = functools.partial(dense_attend, host=host_attention.use_host_kernel(cfg))
+
+  def create_cache(self, batch: int, max_len: int, dtype) -> DenseCache:
+    m = self.cfg.model
+    return DenseCache.create(m.num_layers, batch, m.num_kv_heads, max_len, m.head_dim, dtype)
+
+  prefill_attend = staticmethod(dense_attend)
+
+  def after_prefill(self, cache, lengths_B):
+    return cache
+
+  def after_step(self, cache):
+    return cache
+
+  def stats(self, cache) -> dict:
+    return {}
+
+  # -- continuous batching ------------------------------------------------------------------
+
+  def init_running(self, batch: int, max_len: int, dtype) -> DenseCache:
+    return self.create_cache(batch, max_len, dtype)
+
+  def insert_row(self, running: DenseCache, single: DenseCache, slot) -> DenseCache:
+    """Jit-friendly: row `slot` of `running` becomes the batch-1 prefilled `single`."""
+    return DenseCache(k=put_rows(running.k, single.k, slot), v=put_rows(running.v, single.v, slot),
+                      lengths_B=put_row(running.lengths_B, single.lengths_B, slot))
+
+  def free_row(self, slot: int) -> None:
+    """Nothing to release: the row's stale entries are overwritten by the next insert."""
+
+  def needs_maintenance(self, cache) -> bool:
+    return False
+
+  def maintain(self, cache, active_B):
+    return cache
+
+  def row_stats(self, cache) -> dict[str, jax.Array]:
+    return {}

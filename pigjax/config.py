@@ -22,7 +22,7 @@ import ml_collections
 ATTENTION_KINDS = ("dense", "magicpig")
 # Pool estimators of the sparse layers, both run by the host store's kernels: "magicpig" is the
 # paper's (docs/design.md, "The algorithm"; the default); "proxy" is score-proxy top-k with a
-# tail estimate (docs/design.md, "Estimators"; pigjax/estimators.py and xla_ffi/proxy.h).
+# tail estimate (docs/design.md, "Estimators"; pigjax/estimators/proxy.py and xla_ffi/proxy.h).
 ESTIMATORS = ("magicpig", "proxy")
 PROXY_TAILS = ("mean", "none")
 DECODE_KERNELS = ("auto", "host", "xla")

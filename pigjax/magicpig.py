@@ -10,11 +10,14 @@ fills, its older half is hashed (with the pool's mean key) and appended to the p
 memory and step time stay bounded in long generations. On a device mesh (`pigjax.sharding`) each
 device inserts and attends inside `shard_map`, on a host store of its own rows and KV heads.
 
-With attention.estimator="proxy" (docs/design.md, "Estimators") the same backend runs the store's
-proxy estimator: nothing is hashed (the codes operands have 0 columns); the store quantizes the
-centred pool keys into its index at insert (appended generated keys with the pool's first
-statistics, clamped) and its attend returns the same (o, lse, count) over the pool, so the merge
-is unchanged.
+The pool estimator is a strategy (`pigjax.estimators`, chosen by attention.estimator): it makes
+the layer's fixed operand (SimHash's matrix), the mean key and codes operand of a new pool, the
+codes of appended keys and of each step's queries; the host store runs the estimator's kernel and
+its attend returns (o, lse, count) over the pool whatever the estimator, so the merge is the same.
+
+Per-row state (the generated-buffer fill, the candidate counters) is [B] arrays, so the same
+backend serves rows that start together (`Engine`) and rows admitted one at a time at different
+steps (continuous batching: `init_running`, `insert_row`, `free_row`, `maintain`).
 
 Shape key:
   B batch   T tokens in this call   S dense cache positions   X exact-buffer entries
@@ -24,18 +27,17 @@ Shape key:
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, estimators, host_attention, lsh, placement
+from pigjax import attention, estimators, host_attention, placement
 from pigjax.config import Config, validate_attention
 from pigjax.sharding import Sharding, mesh_requested
-from pigjax.store import HostKVStore, proxy_index_bytes, store_insert
+from pigjax.step import Programs
+from pigjax.store import HostKVStore, store_insert
 
 
 @jax.tree_util.register_dataclass
@@ -45,13 +47,13 @@ class MagicPigCache:
   v: tuple
   lengths_B: jax.Array  # int32 tokens seen per slot (prompt + generated)
   exact_pos_BX: jax.Array  # int32 position of each exact-buffer entry, -1 if empty
-  gen_count: jax.Array  # int32 scalar: generated tokens currently in the exact buffer
+  gen_count_B: jax.Array  # int32 generated tokens currently in each row's exact buffer
   mu: tuple  # per layer: sparse [B, K, D] pool mean key; dense None
-  w: tuple  # per layer: sparse SimHash matrix [D, num_bits * num_tables]; dense or proxy None
+  w: tuple  # per layer: the estimator's fixed operand (SimHash matrix) or None
   pool_len_B: jax.Array  # int32 pool tokens per slot (FFI insert's output: orders attends)
   handle: jax.Array  # int32 scalar: the host store
-  cand_total: jax.Array  # f32: candidates attended, summed over steps, sparse layers, heads
-  pool_total: jax.Array  # f32: pool tokens available, summed likewise
+  cand_total_B: jax.Array  # f32: candidates attended, summed over steps, sparse layers, heads
+  pool_total_B: jax.Array  # f32: pool tokens available, summed likewise
 
 
 class MagicPigBackend:
@@ -60,26 +62,20 @@ class MagicPigBackend:
   def __init__(self, cfg: Config):
     a, m = cfg.attention, cfg.model
     validate_attention(a, m.num_layers)
-    if a.estimator not in ("magicpig", "proxy"):
-      raise ValueError(
-          f"attention.estimator={a.estimator!r} has no host kernel: the FFI store runs "
-          "'magicpig' and 'proxy'. Evaluate other estimators in the pure-jnp reference "
-          "(scripts/eval_quality.py, pigjax.eval.policies).")
-    self.proxy = a.estimator == "proxy"
+    self.estimator = estimators.create(a, m.head_dim)
     placement.place_for("magicpig")  # the host store's FFI calls are CPU-only
     self.cfg = cfg
     self.host_decode = host_attention.use_host_kernel(cfg)  # dense layers' decode attention
     self.sparse_layers = [l for l in range(m.num_layers) if l not in set(a.dense_layers)]
     self.store_index = {l: i for i, l in enumerate(self.sparse_layers)}
-    if self.proxy and mesh_requested(cfg.mesh):
-      raise ValueError("attention.estimator='proxy' runs on one device (its store is not tested "
-                       "under shard_map yet); on a mesh use estimator='magicpig' or "
+    if not self.estimator.runs_on_mesh and mesh_requested(cfg.mesh):
+      raise ValueError(f"attention.estimator={a.estimator!r} runs on one device (its store is not "
+                       "tested under shard_map yet); on a mesh use estimator='magicpig' or "
                        "attention.kind='dense'.")
     self.sharding = Sharding.create(cfg.mesh, m)
     # Host stores by (data, model) mesh coordinate: one, at (0, 0), without a mesh.
     self.stores: dict[tuple[int, int], HostKVStore] = {}
-    self._jitted: dict[Any, Any] = {}
-    self.compile_s = 0.0  # ahead-of-time compilation of the store-maintenance programs
+    self.programs = Programs()  # the store-maintenance programs (after_prefill, after_step)
 
   # -- cache lifecycle ----------------------------------------------------------------------
 
@@ -131,42 +127,37 @@ class MagicPigBackend:
     return jnp.int32(self.store.handle if self.store is not None else -1)
 
   def after_prefill(self, cache: attention.DenseCache, lengths_B: np.ndarray) -> MagicPigCache:
+    """The decode cache from a dense prefill (donated): exact buffer on the device, the pool in
+    the store. Blocks until the inserts are done."""
     handle = self._handle()
     with warnings.catch_warnings():
       # Donation lets dense layers keep their caches in place; the sparse layers' full caches are
       # freed rather than reused, which jax reports as "not usable".
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
       # Block: host-side store calls (num_tokens, reset) are not ordered after dispatched work.
-      return jax.block_until_ready(self._compiled("prefill", self._split_prefill, cache, handle))
+      return jax.block_until_ready(
+          self.programs.run("prefill", self.split_prefill, cache, handle, donate=(0,)))
 
   def after_step(self, cache: MagicPigCache) -> MagicPigCache:
-    """Between decode steps: move the older half of a full generated buffer into the pool."""
-    if int(cache.gen_count) < self.cfg.attention.generated_buffer:
+    """Between decode steps: rows whose generated buffer is full move its older half into the
+    pool (every row of an `Engine` batch fills at the same step)."""
+    if not self.needs_maintenance(cache):
       return cache
-    return self._compiled("evict", self._evict, cache)
-
-  def _compiled(self, name: str, fn, cache, *args):
-    """Runs fn (donating the cache), compiling it ahead of time so compile time is accounted
-    separately from run time (`compile_s`, which the engine reports)."""
-    leaves, treedef = jax.tree.flatten((cache, args))
-    key = (name, treedef, tuple((x.shape, x.dtype) for x in leaves))
-    if key not in self._jitted:
-      t0 = time.perf_counter()
-      self._jitted[key] = jax.jit(fn, donate_argnums=(0,)).lower(cache, *args).compile()
-      self.compile_s += time.perf_counter() - t0
-    return self._jitted[key](cache, *args)
+    active_B = jnp.ones(cache.lengths_B.shape, bool)
+    return self.programs.run("maintain", self.maintain, cache, active_B, donate=(0,))
 
   def stats(self, cache) -> dict:
     """pool_fraction: pool rows read (magicpig: candidates; proxy: the exact top rows) over pool
-    rows available. The proxy also scans its index: index_bytes_per_token per pool token and KV
-    head, every step (the estimator's lookup cost, next to the rows it reads)."""
-    extra = {}
-    if self.proxy:
-      extra["index_bytes_per_token"] = proxy_index_bytes(self.cfg.attention.proxy_bits,
-                                                         self.cfg.model.head_dim)
-    if not isinstance(cache, MagicPigCache) or float(cache.pool_total) == 0:
+    rows available, and whatever the estimator reports (the proxy: index_bytes_per_token, the
+    index it scans per pool token and KV head every step, next to the rows it reads)."""
+    extra = self.estimator.stats()
+    if not isinstance(cache, MagicPigCache):
       return {"pool_fraction": 0.0, **extra}
-    return {"pool_fraction": float(cache.cand_total) / float(cache.pool_total), **extra}
+    pool = float(jnp.sum(cache.pool_total_B))
+    return {"pool_fraction": float(jnp.sum(cache.cand_total_B)) / pool if pool else 0.0, **extra}
+
+  def row_stats(self, cache: MagicPigCache) -> dict[str, jax.Array]:
+    return {"cand_total_B": cache.cand_total_B, "pool_total_B": cache.pool_total_B}
 
   # -- attention ----------------------------------------------------------------------------
 
@@ -177,29 +168,29 @@ class MagicPigBackend:
       return attention.dense_attend(layer, q_BTHD, k_BTKD, v_BTKD, cache,
                                     host=self.host_decode)
     a = self.cfg.attention
-    B, _, H, D = q_BTHD.shape
-    x_new = a.sink + a.window + cache.gen_count
+    B, _, H, _ = q_BTHD.shape
+    x_new_B = a.sink + a.window + cache.gen_count_B
     # The barrier materialises each written buffer once: without it XLA:CPU duplicates the
     # update into both of its users (the attention below and the returned cache), and each
     # duplicate copies the whole buffer first (8 copies of [B, K, X, D] per layer and step).
-    k, v = jax.lax.optimization_barrier((_write_at(cache.k[layer], k_BTKD, x_new),
-                                         _write_at(cache.v[layer], v_BTKD, x_new)))
-    exact_pos_BX = cache.exact_pos_BX.at[:, x_new].set(cache.lengths_B)
+    k, v = jax.lax.optimization_barrier((_write_rows(cache.k[layer], k_BTKD, x_new_B),
+                                         _write_rows(cache.v[layer], v_BTKD, x_new_B)))
+    exact_pos_BX = cache.exact_pos_BX.at[jnp.arange(B), x_new_B].set(cache.lengths_B,
+                                                                      mode="drop")
     o_BHD, count_BH = self._exact_and_pool(layer, q_BTHD, k, v, exact_pos_BX, cache)
     cache = dataclasses.replace(
         cache, k=attention.replace_at(cache.k, layer, k), v=attention.replace_at(cache.v, layer, v),
         exact_pos_BX=exact_pos_BX,
-        cand_total=cache.cand_total + jnp.sum(count_BH, dtype=jnp.float32),
-        pool_total=cache.pool_total + H * jnp.sum(cache.pool_len_B, dtype=jnp.float32))
-    # gen_count advances once per step, after the last sparse layer.
+        cand_total_B=cache.cand_total_B + jnp.sum(count_BH, axis=1, dtype=jnp.float32),
+        pool_total_B=cache.pool_total_B + H * cache.pool_len_B.astype(jnp.float32))
+    # The buffer fill advances once per step, after the last sparse layer.
     if layer == self.sparse_layers[-1]:
-      cache = dataclasses.replace(cache, gen_count=cache.gen_count + 1)
+      cache = dataclasses.replace(cache, gen_count_B=cache.gen_count_B + 1)
     return o_BHD[:, None].astype(q_BTHD.dtype), cache
 
   def _exact_and_pool(self, layer: int, q_BTHD, k_BKXD, v_BKXD, exact_pos_BX, cache):
     """Exact attention over the buffer (sink, window, generated) merged with the store's
     estimate over the pool; returns o [B, H, D] and the candidates counted per row and head."""
-    a = self.cfg.attention
     q_BHD = q_BTHD[:, 0]
     if self.host_decode:  # the host kernel: XLA ran this small masked attention as ~10 ops
       o_ex_BHD, lse_ex_BH = host_attention.decode_attend_masked(q_BHD, k_BKXD, v_BKXD,
@@ -208,42 +199,62 @@ class MagicPigBackend:
       o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKXD, v_BKXD,
                                                         (exact_pos_BX >= 0)[:, None])
       o_ex_BHD, lse_ex_BH = o_ex_BTHD[:, 0], lse_ex_BTH[:, 0]
-    if self.proxy:  # the proxy store scans its index: no codes
-      qcodes_BHL = jnp.zeros(q_BHD.shape[:2] + (0,), jnp.int32)
-    else:
-      qcodes_BHL = lsh.hash_codes(q_BHD, cache.w[layer], a.num_bits, a.num_tables)
+    qcodes_BHL = self.estimator.query_codes(q_BHD, cache.w[layer])
     o_pool_BHD, lse_pool_BH, count_BH = self.sharding.store_attend(
         cache.handle, self.store_index[layer], q_BHD, qcodes_BHL, cache.pool_len_B)
-    o_BHD, _ = lsh.merge_attention(o_ex_BHD, lse_ex_BH, o_pool_BHD, lse_pool_BH)
+    o_BHD, _ = attention.merge_attention(o_ex_BHD, lse_ex_BH, o_pool_BHD, lse_pool_BH)
     return o_BHD, count_BH
+
+  # -- continuous batching: rows one at a time ----------------------------------------------
+
+  def init_running(self, batch: int, max_len: int, dtype) -> MagicPigCache:
+    """An empty running cache of `batch` rows; (re)creates the host store with that many slots."""
+    dense = self.create_cache(batch, max_len, dtype)  # sizes the store; its rows are empty
+    a, m = self.cfg.attention, self.cfg.model
+    X = a.sink + a.window + a.generated_buffer
+    exact = lambda: jnp.zeros((batch, m.num_kv_heads, X, m.head_dim), dtype)
+    sparse = [l in self.store_index for l in range(m.num_layers)]
+    rows = lambda dtype: jnp.zeros((batch,), dtype)
+    return MagicPigCache(
+        k=tuple(exact() if s else k for s, k in zip(sparse, dense.k)),
+        v=tuple(exact() if s else v for s, v in zip(sparse, dense.v)),
+        lengths_B=rows(jnp.int32), exact_pos_BX=jnp.full((batch, X), -1, jnp.int32),
+        gen_count_B=rows(jnp.int32),
+        mu=tuple(jnp.zeros((batch, m.num_kv_heads, m.head_dim), jnp.float32) if s else None
+                 for s in sparse),
+        w=tuple(self.estimator.layer_matrix(l) if s else None for l, s in enumerate(sparse)),
+        pool_len_B=rows(jnp.int32), handle=self._handle(),
+        cand_total_B=rows(jnp.float32), pool_total_B=rows(jnp.float32))
+
+  def free_row(self, slot: int) -> None:
+    """Empties the row's host-store slot, so an idle row attends an empty pool. The caller must
+    have waited for every dispatched step (host calls are not ordered after them)."""
+    if self.store is not None:
+      self.store.reset(slot)
+
+  def insert_row(self, running: MagicPigCache, single: attention.DenseCache,
+                 slot) -> MagicPigCache:
+    """Jit-friendly: splits the batch-1 dense prefill into exact buffer + pool, inserts the pool
+    into store slot `slot` (reset beforehand by `free_row`) and writes row `slot`."""
+    one = self.split_prefill(single, running.handle, slots_B=jnp.reshape(slot, (1,)))
+    put, puts = attention.put_row, attention.put_rows
+    return dataclasses.replace(
+        running, k=puts(running.k, one.k, slot), v=puts(running.v, one.v, slot),
+        lengths_B=put(running.lengths_B, one.lengths_B, slot),
+        exact_pos_BX=put(running.exact_pos_BX, one.exact_pos_BX, slot),
+        gen_count_B=put(running.gen_count_B, one.gen_count_B, slot),
+        mu=puts(running.mu, one.mu, slot),
+        pool_len_B=put(running.pool_len_B, one.pool_len_B, slot),
+        cand_total_B=put(running.cand_total_B, one.cand_total_B, slot),
+        pool_total_B=put(running.pool_total_B, one.pool_total_B, slot))
+
+  def needs_maintenance(self, cache: MagicPigCache) -> bool:
+    """Whether some row's generated buffer is full (checked on the host between steps)."""
+    return int(np.max(np.asarray(cache.gen_count_B))) >= self.cfg.attention.generated_buffer
 
   # -- jitted host-store maintenance --------------------------------------------------------
 
-  def _hash_matrix(self, layer: int):
-    """The layer's SimHash matrix; None for the proxy estimator, which hashes nothing."""
-    a, m = self.cfg.attention, self.cfg.model
-    if self.proxy:
-      return None
-    return lsh.simhash_matrix(a.seed, layer, m.head_dim, a.num_bits, a.num_tables,
-                              a.per_layer_hash)
-
-  def _centre_and_hash(self, k_BKTD, valid_BKT, w):
-    """(mu_BKD, codes_BKTL) of a new pool: the proxy store needs only mu (0 code columns)."""
-    a = self.cfg.attention
-    if self.proxy:
-      return (estimators.pool_mean_values(k_BKTD, valid_BKT),
-              jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32))
-    return lsh.centre_and_hash(k_BKTD, valid_BKT, w, a.num_bits, a.num_tables)
-
-  def _append_codes(self, k_BKTD, mu_BKD, w):
-    """Codes of keys appended to a pool with mean mu_BKD (0 columns for the proxy)."""
-    a = self.cfg.attention
-    if self.proxy:
-      return jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32)
-    return lsh.hash_codes(k_BKTD.astype(jnp.float32) - mu_BKD[:, :, None], w, a.num_bits,
-                          a.num_tables)
-
-  def _split_prefill(self, dense: attention.DenseCache, handle, slots_B=None) -> MagicPigCache:
+  def split_prefill(self, dense: attention.DenseCache, handle, slots_B=None) -> MagicPigCache:
     """Keeps exact tokens on the device and inserts each sparse layer's pool into the store
     (row b into store slot slots_B[b]; by default slot b)."""
     a, m = self.cfg.attention, self.cfg.model
@@ -286,11 +297,11 @@ class MagicPigBackend:
       pad = ((0, 0), (0, 0), (0, a.generated_buffer), (0, 0))
       k.append(jnp.pad(gather(k_BKSD, pos_BJ), pad))
       v.append(jnp.pad(gather(v_BKSD, pos_BJ), pad))
-      w_l = self._hash_matrix(layer)
+      w_l = self.estimator.layer_matrix(layer)
       kp_BKPD = jnp.take(k_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
       vp_BKPD = jnp.take(v_BKSD, jnp.minimum(pool_idx_P, S - 1), axis=2)
       valid_BKP = jnp.broadcast_to(pool_valid_BP[:, None], kp_BKPD.shape[:3])
-      mu_BKD, codes_BKPL = self._centre_and_hash(kp_BKPD, valid_BKP, w_l)
+      mu_BKD, codes_BKPL = self.estimator.index(kp_BKPD, valid_BKP, w_l)
       # Every insert feeds pool_len_B, which every later attend takes as its ordering operand.
       if custom_slots:
         inserted_B = store_insert(handle, self.store_index[layer], slots_B, kp_BKPD, vp_BKPD,
@@ -302,29 +313,36 @@ class MagicPigBackend:
       mu.append(mu_BKD), w.append(w_l)
     return self.sharding.constrain_cache(MagicPigCache(
         k=tuple(k), v=tuple(v), lengths_B=n_B, exact_pos_BX=exact_pos_BX,
-        gen_count=jnp.int32(0), mu=tuple(mu), w=tuple(w), pool_len_B=out_len_B,
-        handle=handle, cand_total=jnp.float32(0), pool_total=jnp.float32(0)))
+        gen_count_B=jnp.zeros((B,), jnp.int32), mu=tuple(mu), w=tuple(w), pool_len_B=out_len_B,
+        handle=handle, cand_total_B=jnp.zeros((B,), jnp.float32),
+        pool_total_B=jnp.zeros((B,), jnp.float32)))
 
-  def _evict(self, cache: MagicPigCache) -> MagicPigCache:
-    """Hashes the oldest half of the generated buffer into the pool and shifts the rest down."""
+  def maintain(self, cache: MagicPigCache, active_B) -> MagicPigCache:
+    """Jit-friendly: every row whose generated buffer is full shifts out its older half; active
+    rows hash it into their pools (the estimator's append codes, centred on the pool's mean),
+    idle rows drop it."""
     a = self.cfg.attention
     exact, E = a.sink + a.window, a.generated_buffer // 2
     B = cache.lengths_B.shape[0]
     keep = a.generated_buffer - E
+    full_B = cache.gen_count_B >= a.generated_buffer
+    insert_B = jnp.where(full_B & active_B, E, 0).astype(jnp.int32)
+    full_B111 = full_B[:, None, None, None]
     k, v = list(cache.k), list(cache.v)
     out_len_B = cache.pool_len_B
     for layer, idx in self.store_index.items():
-      old_k = k[layer][:, :, exact:exact + E]
-      old_v = v[layer][:, :, exact:exact + E]
-      codes = self._append_codes(old_k, cache.mu[layer], cache.w[layer])
+      old_k, old_v = k[layer][:, :, exact:exact + E], v[layer][:, :, exact:exact + E]
+      codes = self.estimator.append_codes(old_k, cache.mu[layer], cache.w[layer])
       out_len_B = jnp.maximum(out_len_B, self.sharding.store_insert(
-          cache.handle, idx, old_k, old_v, codes, jnp.full((B,), E, jnp.int32), cache.mu[layer]))
-      k[layer] = _shift_generated(k[layer], exact, E, keep)
-      v[layer] = _shift_generated(v[layer], exact, E, keep)
+          cache.handle, idx, old_k, old_v, codes, insert_B, cache.mu[layer]))
+      k[layer] = jnp.where(full_B111, _shift_generated(k[layer], exact, E, keep), k[layer])
+      v[layer] = jnp.where(full_B111, _shift_generated(v[layer], exact, E, keep), v[layer])
     pos = cache.exact_pos_BX
-    pos = jnp.concatenate([pos[:, :exact], pos[:, exact + E:], jnp.full((B, E), -1, jnp.int32)], 1)
+    shifted = jnp.concatenate([pos[:, :exact], pos[:, exact + E:],
+                               jnp.full((B, E), -1, jnp.int32)], 1)
     return self.sharding.constrain_cache(dataclasses.replace(
-        cache, k=tuple(k), v=tuple(v), exact_pos_BX=pos, gen_count=cache.gen_count - E,
+        cache, k=tuple(k), v=tuple(v), exact_pos_BX=jnp.where(full_B[:, None], shifted, pos),
+        gen_count_B=jnp.where(full_B, cache.gen_count_B - E, cache.gen_count_B),
         pool_len_B=out_len_B))
 
 
@@ -334,7 +352,10 @@ def _shift_generated(x_BKXD, exact: int, evicted: int, keep: int):
                           tail], axis=2)
 
 
-def _write_at(cache_BKXD, new_BTKD, index):
-  """Writes one token's keys/values at the same exact-buffer index for every slot."""
-  return jax.lax.dynamic_update_slice(cache_BKXD, jnp.swapaxes(new_BTKD, 1, 2).astype(
-      cache_BKXD.dtype), (0, 0, index, 0))
+def _write_rows(cache_BKXD, new_BTKD, index_B):
+  """Writes one token's keys/values at each row's own exact-buffer index (T == 1)."""
+  B, _, K, _ = new_BTKD.shape
+  b_B1 = jnp.arange(B)[:, None]
+  k_1K = jnp.arange(K)[None, :]
+  return cache_BKXD.at[b_B1, k_1K, index_B[:, None]].set(
+      new_BTKD[:, 0].astype(cache_BKXD.dtype), mode="drop")

@@ -16,19 +16,12 @@ import jax.numpy as jnp
 
 from pigjax import placement, sampling, sharding, weights
 from pigjax.config import AttentionConfig, Config, SamplingConfig, validate_attention
-from pigjax.engine import DenseBackend, Engine, GenerationResult, GenerationStats
+from pigjax.engine import Engine, GenerationResult, GenerationStats
 from pigjax.model import WEIGHT_FORMATS, Llama, attach_quantized, from_hf_tensors
+from pigjax.step import make_backend
 from pigjax.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def make_backend(cfg: Config):
-  validate_attention(cfg.attention)  # MagicPigBackend also bounds dense_layers by the model
-  if cfg.attention.kind == "magicpig":  # both estimators ("magicpig", "proxy") run in the store
-    from pigjax.magicpig import MagicPigBackend  # the host store is only built when asked for
-    return MagicPigBackend(cfg)
-  return DenseBackend(cfg)
 
 
 def _gguf_path(spec: str) -> Path | None:

@@ -42,7 +42,7 @@ _PARAM_SPECS = {
 _CACHE_SPECS = {
     "k": P(DATA, MODEL), "v": P(DATA, MODEL), "mu": P(DATA, MODEL), "handle": P(DATA, MODEL),
     "lengths_B": P(DATA), "exact_pos_BX": P(DATA), "pool_len_B": P(DATA),
-}
+}  # others replicated: MagicPIG's [B] counters are read on the host (every process) each step
 
 
 def validate_mesh(mc: MeshConfig, m: ModelConfig | None = None,

@@ -10,7 +10,7 @@ shared by the prefill and decode programs.
 `store_insert` appends tokens (keys hashed in JAX) and extends the tables; `store_attend` looks the
 query's codes up in the tables and computes importance-weighted attention over the candidates
 (docs/design.md, "The algorithm", steps 5-8). A store created with `estimator="proxy"`
-(pigjax/estimators.py) builds no tables: the insert quantizes the centred keys into a 4-bit
+(pigjax/estimators/proxy.py) builds no tables: the insert quantizes the centred keys into a 4-bit
 (`proxy_bits`) index, and the attend scans it, attends the top `proxy_fraction` of the pool
 exactly and adds the mean-V tail; its code operands have 0 columns (`code_columns`).
 
@@ -64,15 +64,6 @@ def _check_geometry(geometry: dict, threads, estimator: dict) -> None:
       raise ValueError(f"HostKVStore {name}={value} is outside the int32 range the store takes.")
 
 
-def proxy_index_bytes(bits: int, head_dim: int) -> int:
-  """Index bytes per pool token and KV head that the proxy store keeps and scans every step
-  (xla_ffi/proxy.h ProxyLayout): bits <= 4 pack two channels a byte, bits 5..8 one, and channels
-  are padded to groups of 16 (8 for bytes). 1-3 bits therefore cost what 4 do on the host."""
-  if bits <= 4:
-    return -(-head_dim // 16) * 8
-  return -(-head_dim // 8) * 8
-
-
 def available_bytes() -> int | None:
   """MemAvailable from /proc/meminfo, or None where there is no such file."""
   try:
@@ -96,7 +87,7 @@ class HostKVStore:
     num_bits, num_tables: K bits per table and L tables of the SimHash codes.
     capacity: most pool tokens per (layer, slot).
     dtype: K/V storage, one of config.STORE_DTYPES: "int8" (default; one float32 scale per K
-      row and per V row, `lsh.quantize_int8_rows`), "bfloat16" or "float32". Norms, means and
+      row and per V row, `reference.quantize_int8_rows`), "bfloat16" or "float32". Norms, means and
       math are float32.
     threads: 0 (default): run on the process's compute pool (all hardware threads, the pool
       the quantized matmuls and the dense decode kernel use, so one set of workers stays awake

@@ -2,7 +2,7 @@
 
   .venv/bin/python scripts/bench_decode.py --out benchmarks/results.json
 
---estimators=magicpig,proxy adds the proxy estimator (pigjax/estimators.py) to the SmolLM2 rows,
+--estimators=magicpig,proxy adds the proxy estimator (pigjax/estimators/proxy.py) to the SmolLM2 rows,
 timed interleaved with dense and MagicPIG (its own host store), for example:
 
   nice -n 19 .venv/bin/python scripts/bench_decode.py --contexts=8192,32768 \

@@ -18,7 +18,7 @@ from absl import app, flags
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tools/ is a top-level package beside pigjax/, not installed
 
-from pigjax import lsh
+from pigjax import lsh, reference
 from pigjax.attention import DenseCache, dense_attend
 from pigjax.config import Config
 from pigjax.pipeline import Pipeline
@@ -51,7 +51,7 @@ def main(argv):
     valid = jnp.ones(k.shape[:3], bool)
     w = lsh.simhash_matrix(0, layer, m.head_dim, _NUM_BITS.value, _NUM_TABLES.value)
     _, codes = lsh.centre_and_hash(k, valid, w, _NUM_BITS.value, _NUM_TABLES.value)
-    cand_HT = np.asarray(lsh.candidate_mask(queries[layer], codes, valid, w, _NUM_BITS.value,
+    cand_HT = np.asarray(reference.candidate_mask(queries[layer], codes, valid, w, _NUM_BITS.value,
                                             _NUM_TABLES.value))[0]
     for kv in range(m.num_kv_heads):
       g = cand_HT[kv * group:(kv + 1) * group]

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tools/ is a top-level package beside pigjax/, not installed
 
 from pigjax.config import AttentionConfig, Config
-from pigjax.engine import Engine, kv_cache_dtype
+from pigjax.engine import Engine
+from pigjax.step import kv_cache_dtype
 from pigjax.magicpig import MagicPigBackend
 from pigjax.pipeline import Pipeline
 from pigjax.store import HostKVStore

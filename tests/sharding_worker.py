@@ -66,7 +66,7 @@ def main() -> None:
       ids, _, _ = pipe.engine.generate(prompts, sc)
       result["ids"][kind][mesh] = ids
       if kind == "magicpig" and mesh != "1x1":
-        hlo = "\n".join(c.as_text() for k, c in pipe.engine._compiled.items() if k[0] == "decode")
+        hlo = "\n".join(c.as_text() for c in pipe.engine.programs.compiled("decode"))
         result["attend_operands"][mesh] = [
             re.findall(r"f32\[[0-9,]+\]", line.split("custom_call_target")[0])
             for line in hlo.splitlines() if 'custom_call_target="pigjax_attend"' in line]

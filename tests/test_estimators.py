@@ -1,4 +1,4 @@
-"""The proxy estimator (pigjax/estimators.py) against a plain numpy reference, its cost
+"""The proxy estimator (pigjax/proxy.py) against a plain numpy reference, its cost
 accounting, its edge cases, and its selection through `attention.estimator`."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import estimators
+from pigjax.estimators import proxy
 from pigjax.config import AttentionConfig, Config, validate_attention
 
 
@@ -34,7 +34,7 @@ def _np_proxy(q_HD, k_KTD, v_KTD, valid_KT, bits, k_keep, tail):
     for h in range(kv * g, (kv + 1) * g):
       q = q_HD[h].astype(np.float64)
       # Scan weights scale * q * step rounded to int8 (query_weights); rank by the integer sum.
-      wq, sw = estimators.query_weights(scale * q * step, xp=np)
+      wq, sw = proxy.query_weights(scale * q * step, xp=np)
       raw = sw[0] * (code @ wq)
       sp = raw + (q @ lo + q @ mu) * scale
       kth = np.sort(raw)[::-1][min(k_keep, idx.size) - 1]
@@ -54,10 +54,10 @@ def _np_proxy(q_HD, k_KTD, v_KTD, valid_KT, bits, k_keep, tail):
 
 
 def _run(q, k, v, valid, bits, k_keep_B, tail):
-  index = estimators.build_index(jnp.asarray(k), jnp.asarray(valid), bits)
-  vbar = estimators.pool_mean_values(jnp.asarray(v), jnp.asarray(valid))
+  index = proxy.build_index(jnp.asarray(k), jnp.asarray(valid), bits)
+  vbar = proxy.pool_mean_values(jnp.asarray(v), jnp.asarray(valid))
   k_keep_B = np.asarray(k_keep_B, np.int32)
-  return [np.asarray(x) for x in estimators.proxy_attention_ref(
+  return [np.asarray(x) for x in proxy.proxy_attention_ref(
       jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), index, vbar,
       jnp.asarray(k_keep_B), int(max(k_keep_B.max(), 1)), tail=tail)]
 
@@ -91,7 +91,7 @@ def test_matches_numpy_reference_and_counts_rows(tail, bits):
 def test_quantization_error_is_at_most_half_a_step():
   _, k, _ = _data(1)
   valid = np.ones(k.shape[:3], bool)
-  mu, kq, step = (np.asarray(x) for x in estimators.quantize_keys(jnp.asarray(k),
+  mu, kq, step = (np.asarray(x) for x in proxy.quantize_keys(jnp.asarray(k),
                                                                    jnp.asarray(valid), 4))
   kc = k - mu[:, :, None]
   assert np.all(np.abs(kq - kc) <= step[:, :, None] / 2 + 1e-5)
@@ -142,9 +142,9 @@ def test_empty_pool_single_key_and_zero_norm_keys():
 
 
 def test_keep_count_and_index_bytes():
-  got = np.asarray(estimators.keep_count(0.03, jnp.asarray([0, 1, 10, 100, 2936])))
+  got = np.asarray(proxy.keep_count(0.03, jnp.asarray([0, 1, 10, 100, 2936])))
   np.testing.assert_array_equal(got, [0, 1, 1, 3, 89])
-  assert estimators.index_bytes_per_token(4, 64) == 32.0
+  assert proxy.index_bytes_per_token(4, 64) == 32.0
 
 
 def test_config_default_is_the_paper_and_rejects_unknown_estimators():

@@ -9,7 +9,8 @@ import pytest
 
 from pigjax import attention, host_attention
 from pigjax.config import AttentionConfig, Config, MeshConfig, ModelConfig, SamplingConfig
-from pigjax.engine import DenseBackend, Engine
+from pigjax.attention import DenseBackend
+from pigjax.engine import Engine
 from pigjax.model import from_hf_tensors
 from tests.test_quant import kernel  # noqa: F401  (the fixture: each kernel path, avx2 and scalar)
 from tests.tiny_checkpoint import tiny_llama_tensors

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import lsh
+from pigjax import attention, lsh, reference
 
 
 # ----------------------------------------------------------------------------- numpy references
@@ -99,11 +99,11 @@ def random_case(seed, b=2, h=4, kv=2, t=40, d=8, p_valid=0.8):
 # Jitted once per shape (op-by-op dispatch would compile every primitive separately), at LLVM
 # optimisation level 0: these graphs run for milliseconds, and compiling them dominates the file.
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-_pool = _jit(lsh.pool_attention_ref, static_argnums=(6, 7),
+_pool = _jit(reference.pool_attention_ref, static_argnums=(6, 7),
                 static_argnames=("num_bits", "num_tables"))
-_dense = _jit(lsh.dense_attention_ref)
-_topk = _jit(lsh.topk_attention_ref, static_argnums=4)
-_merge = _jit(lsh.merge_attention)
+_dense = _jit(reference.dense_attention_ref)
+_topk = _jit(reference.topk_attention_ref, static_argnums=4)
+_merge = _jit(attention.merge_attention)
 _centre = _jit(lsh.centre_and_hash, static_argnums=(3, 4))
 _log_u = _jit(lsh.log_collision_probability, static_argnums=(1, 2))
 
@@ -193,7 +193,7 @@ def test_collision_probability_monte_carlo(num_bits, num_tables):
 def _candidate_fraction(q_BHD, k_BKTD, w, num_bits, num_tables):
   valid_BKT = jnp.ones(k_BKTD.shape[:3], bool)
   mu_BKD, codes_BKTL = lsh.centre_and_hash(k_BKTD, valid_BKT, w, num_bits, num_tables)
-  cand_BHT = lsh.candidate_mask(q_BHD, codes_BKTL, valid_BKT, w, num_bits, num_tables)
+  cand_BHT = reference.candidate_mask(q_BHD, codes_BKTL, valid_BKT, w, num_bits, num_tables)
   kc_BTD = (k_BKTD - mu_BKD[:, :, None])[:, 0]
   cos_BHT = jnp.einsum("bhd,btd->bht", q_BHD, kc_BTD) / (
       jnp.linalg.norm(q_BHD, axis=-1)[..., None] * jnp.linalg.norm(kc_BTD, axis=-1)[:, None])
@@ -295,7 +295,7 @@ def _empty_cases(q_BHD, k_BKTD, v_BKTD, valid_BKT, w):
   """(o, lse, count) of an empty pool, of an empty dense part and of a full pool whose codes never
   match the query's (G = 1), each merged with the exact part; plus a gradient through the last."""
   nb, nt = 3, 5
-  exact = lsh.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT)
+  exact = reference.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT)
   none = jnp.zeros_like(valid_BKT)
   mu_none, _ = lsh.centre_and_hash(k_BKTD, none, w, nb, nt)
   mu, _ = lsh.centre_and_hash(k_BKTD, valid_BKT, w, nb, nt)
@@ -303,18 +303,18 @@ def _empty_cases(q_BHD, k_BKTD, v_BKTD, valid_BKT, w):
                           k_BKTD.shape[:3] + (nt,))
   no_count = jnp.zeros(q_BHD.shape[:2], jnp.int32)
   parts = {
-      "empty pool": lsh.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, none, mu_none, w, nb, nt),
-      "empty dense": lsh.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, none) + (no_count,),
-      "no candidates": lsh.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, w, nb, nt,
+      "empty pool": reference.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, none, mu_none, w, nb, nt),
+      "empty dense": reference.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, none) + (no_count,),
+      "no candidates": reference.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, w, nb, nt,
                                               codes_BKTL=miss),
   }
-  merged = {name: (lsh.merge_attention(*exact, o, lse), lsh.merge_attention(o, lse, o, lse))
+  merged = {name: (attention.merge_attention(*exact, o, lse), attention.merge_attention(o, lse, o, lse))
             for name, (o, lse, _) in parts.items()}
 
   def loss(q_BHD):
-    o, lse, _ = lsh.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, w, nb, nt,
+    o, lse, _ = reference.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, w, nb, nt,
                                        codes_BKTL=miss)
-    return jnp.sum(lsh.merge_attention(*lsh.dense_attention_ref(q_BHD, k_BKTD, v_BKTD,
+    return jnp.sum(attention.merge_attention(*reference.dense_attention_ref(q_BHD, k_BKTD, v_BKTD,
                                                                 valid_BKT), o, lse)[0])
 
   return exact, mu_none, parts, merged, jax.grad(loss)(q_BHD)
@@ -339,15 +339,15 @@ def test_empty_pool_and_no_candidates():
 def _merged_error(q_BHD, k_BKTD, v_BKTD, exact_BKT, seeds, num_bits, num_tables):
   """Relative L2 error of exact + pool (merged) vs dense attention, one per hash seed."""
   pool_BKT = ~exact_BKT
-  o_d, _ = lsh.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, jnp.ones_like(exact_BKT))
-  exact = lsh.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, exact_BKT)
+  o_d, _ = reference.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, jnp.ones_like(exact_BKT))
+  exact = reference.dense_attention_ref(q_BHD, k_BKTD, v_BKTD, exact_BKT)
 
   def one(seed):
     w = lsh.simhash_matrix(seed, 0, q_BHD.shape[-1], num_bits, num_tables)
     mu_BKD, codes_BKTL = lsh.centre_and_hash(k_BKTD, pool_BKT, w, num_bits, num_tables)
-    o_p, lse_p, _ = lsh.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, pool_BKT, mu_BKD, w,
+    o_p, lse_p, _ = reference.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, pool_BKT, mu_BKD, w,
                                            num_bits, num_tables, codes_BKTL=codes_BKTL)
-    o, _ = lsh.merge_attention(*exact, o_p, lse_p)
+    o, _ = attention.merge_attention(*exact, o_p, lse_p)
     return jnp.linalg.norm(o - o_d) / jnp.linalg.norm(o_d)
 
   return jax.vmap(one)(seeds)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference
+import reference as golden
 import tiny_checkpoint
-from pigjax import lsh
+from pigjax import lsh, reference
 from pigjax.config import AttentionConfig, Config, SamplingConfig
 from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend
@@ -75,7 +75,7 @@ def test_long_generation_moves_generated_tokens_into_the_pool(tiny):
 def test_decode_step_hlo_has_ffi_calls_and_no_store_copies(tiny):
   pig = engine_with(tiny)
   pig.generate([prompt(100)], SamplingConfig(max_new_tokens=2))
-  (decode,) = [f for k, f in pig._compiled.items() if k[0] == "decode"]
+  (decode,) = pig.programs.compiled("decode")
   hlo = decode.as_text()
   sparse = len(pig.backend.sparse_layers)
   assert len(re.findall(r"custom_call_target=\"pigjax_attend\"", hlo)) == sparse
@@ -88,7 +88,7 @@ def test_decode_step_hlo_has_ffi_calls_and_no_store_copies(tiny):
 
 def test_split_prefill_inserts_the_right_pool(tiny):
   """after_prefill puts prompt positions [sink, n - window) of each sparse layer into the store,
-  centred on their mean: the store's sampled attention equals lsh.pool_attention_ref on them."""
+  centred on their mean: the store's sampled attention equals reference.pool_attention_ref on them."""
   from pigjax.attention import dense_attend
   from pigjax.store import store_attend
   pig = engine_with(tiny)
@@ -107,7 +107,7 @@ def test_split_prefill_inserts_the_right_pool(tiny):
   mu, _ = lsh.centre_and_hash(k, valid, w, a.num_bits, a.num_tables)
   np.testing.assert_allclose(mp.mu[layer], mu, rtol=1e-5, atol=1e-6)
   q = jax.random.normal(jax.random.key(0), (1, 4, 16)) * 3
-  o_ref, lse_ref, cnt_ref = lsh.pool_attention_ref(q, k, v, valid, mp.mu[layer], w, a.num_bits,
+  o_ref, lse_ref, cnt_ref = reference.pool_attention_ref(q, k, v, valid, mp.mu[layer], w, a.num_bits,
                                                    a.num_tables)
   qc = lsh.hash_codes(q, w, a.num_bits, a.num_tables)
   o, lse, cnt = store_attend(backend.store.handle, backend.store_index[layer],
@@ -127,7 +127,7 @@ def test_bad_magicpig_settings_are_refused(tiny):
 
 def test_smollm2_magicpig_with_everything_exact_equals_dense():
   """On the real model: sink + window cover the prompt -> token-for-token equal to dense."""
-  gpl = reference.load("smollm2_135m_gpl3_400.json")
+  gpl = golden.load("smollm2_135m_gpl3_400.json")
   cfg = Config(checkpoint="smollm2", max_seq_len=1024,
                attention=AttentionConfig(kind="magicpig", sink=4, window=512,
                                          generated_buffer=64))

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import estimators, lsh
+from pigjax import lsh, reference
+from pigjax.estimators import proxy
 from pigjax.eval import probe
 
 
@@ -34,7 +35,7 @@ def test_probe_magicpig_matches_the_jnp_reference():
   valid = jnp.ones((1, 1, k.shape[0]), bool)
   k_j, v_j = jnp.asarray(k[None, None], jnp.float32), jnp.asarray(v[None, None], jnp.float32)
   mu, codes = lsh.centre_and_hash(k_j, valid, jnp.asarray(w, jnp.float32), num_bits, num_tables)
-  o_ref, lse_ref, cnt_ref = lsh.pool_attention_ref(
+  o_ref, lse_ref, cnt_ref = reference.pool_attention_ref(
       jnp.asarray(q[None], jnp.float32), k_j, v_j, valid, mu, jnp.asarray(w, jnp.float32),
       num_bits, num_tables, codes_BKTL=codes)
   for h in range(3):
@@ -53,9 +54,9 @@ def test_probe_proxy_matches_the_jnp_reference(tail):
   est.prepare(k, v, _ctx(d))
   valid = jnp.ones((1, 1, k.shape[0]), bool)
   k_j, v_j = jnp.asarray(k[None, None], jnp.float32), jnp.asarray(v[None, None], jnp.float32)
-  o_ref, lse_ref, cnt_ref = estimators.proxy_attention_ref(
-      jnp.asarray(q[None], jnp.float32), k_j, v_j, valid, estimators.build_index(k_j, valid, 4),
-      estimators.pool_mean_values(v_j, valid), jnp.asarray([9]), 9, tail=tail)
+  o_ref, lse_ref, cnt_ref = proxy.proxy_attention_ref(
+      jnp.asarray(q[None], jnp.float32), k_j, v_j, valid, proxy.build_index(k_j, valid, 4),
+      proxy.pool_mean_values(v_j, valid), jnp.asarray([9]), 9, tail=tail)
   for h in range(3):
     o, lse, rows, lookup = est(q[h])
     assert rows == 9 == int(cnt_ref[0, h])
@@ -70,7 +71,7 @@ def test_probe_oracle_and_poisson_probabilities():
   est = probe.Oracle(7)
   est.prepare(k, v, _ctx(d))
   valid = jnp.ones((1, 1, k.shape[0]), bool)
-  o_ref, lse_ref = lsh.topk_attention_ref(jnp.asarray(q[None], jnp.float32),
+  o_ref, lse_ref = reference.topk_attention_ref(jnp.asarray(q[None], jnp.float32),
                                           jnp.asarray(k[None, None], jnp.float32),
                                           jnp.asarray(v[None, None], jnp.float32), valid, 7)
   o, lse, rows, _ = est(q[0])

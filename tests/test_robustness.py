@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import config, lsh
+from pigjax import config, lsh, reference
 from pigjax.config import AttentionConfig, Config
 from pigjax.store import HostKVStore, store_attend, store_insert
 
@@ -196,13 +196,13 @@ def test_non_finite_query_is_an_error_in_the_store_and_the_reference():
   q_bad = q.copy()
   q_bad[0, 2, 6] = np.nan
   with pytest.raises(ValueError, match=r"pool_attention_ref: q\[0, 2, 6\] = nan is not finite"):
-    lsh.pool_attention_ref(q_bad, a["k_BKTD"], a["v_BKTD"], valid, a["mu_BKD"], w, 3, 4)
+    reference.pool_attention_ref(q_bad, a["k_BKTD"], a["v_BKTD"], valid, a["mu_BKD"], w, 3, 4)
   k = a["k_BKTD"].copy()
   k[0, 1, 4, 0] = np.inf
   with pytest.raises(ValueError, match=r"pool_attention_ref: k\[0, 1, 4, 0\] = inf"):
-    lsh.pool_attention_ref(q, k, a["v_BKTD"], valid, a["mu_BKD"], w, 3, 4)
+    reference.pool_attention_ref(q, k, a["v_BKTD"], valid, a["mu_BKD"], w, 3, 4)
   valid[0, 1, 4] = False  # an invalid token may hold anything, as in the store
-  lsh.pool_attention_ref(q, k, a["v_BKTD"], valid, a["mu_BKD"], w, 3, 4)
+  reference.pool_attention_ref(q, k, a["v_BKTD"], valid, a["mu_BKD"], w, 3, 4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_split_prefill_hashes_one_layer_at_a_time():
                                          window=8, generated_buffer=16))
   backend = MagicPigBackend(cfg)
   cache = backend.create_cache(B, S, jnp.float32)
-  compiled = jax.jit(backend._split_prefill, donate_argnums=(0,)).lower(
+  compiled = jax.jit(backend.split_prefill, donate_argnums=(0,)).lower(
       cache, jnp.int32(backend.store.handle)).compile()
   backend.store.close()
   projection_bytes = B * K * S * num_bits * num_tables * 4  # f32 [B, K, P, num_bits*num_tables]

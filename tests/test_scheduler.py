@@ -91,11 +91,11 @@ def test_per_row_sampling_is_seeded_and_compiles_once(sched):
   both, _ = run(sched, [PROMPTS[1], PROMPTS[2], PROMPTS[3]], [hot, cool, greedy], stagger=2)
   assert both[0] == alone_hot and both[1] == alone_cool
   assert run(sched, [PROMPTS[1]], [dataclasses.replace(hot, seed=6)])[0][0] != alone_hot
-  programs = len(sched.batch.engine._compiled)
+  programs = len(sched.batch.programs)
   other = RequestParams(max_tokens=12, temperature=0.3, top_k=7, top_p=0.5, min_p=0.1,
                         repetition_penalty=1.1, seed=1)
   run(sched, [PROMPTS[0], PROMPTS[4]], [other, hot])
-  assert len(sched.batch.engine._compiled) == programs
+  assert len(sched.batch.programs) == programs
 
 
 def test_cancel_frees_the_row_for_a_waiting_request(sched):

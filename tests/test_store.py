@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import lsh
+from pigjax import lsh, reference
 from pigjax.store import HostKVStore, store_attend, store_insert
 
 D = 64
@@ -26,7 +26,7 @@ def _hash_and_ref(k_BKTD, v_BKTD, q_BHD, lengths_B, num_bits, num_tables):
   w = lsh.simhash_matrix(0, 3, D, num_bits, num_tables)
   mu, codes = lsh.centre_and_hash(k_BKTD, valid_BKT, w, num_bits, num_tables)
   qcodes = lsh.hash_codes(q_BHD, w, num_bits, num_tables)
-  ref = lsh.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, w, num_bits, num_tables,
+  ref = reference.pool_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, mu, w, num_bits, num_tables,
                                codes_BKTL=codes)
   return dict(mu=mu, codes=codes, qcodes=qcodes, ref=ref)
 
@@ -128,21 +128,21 @@ def test_bf16_storage_of_f32_inputs():
 
 @functools.partial(jax.jit, static_argnums=(5, 6, 7))
 def _stored_ref(k_BKTD, v_BKTD, q_BHD, lengths_B, codes_BKTL, num_bits, num_tables, store_dtype):
-  """The oracle over what a store of `store_dtype` holds (lsh.stored_values), with the codes and
+  """The oracle over what a store of `store_dtype` holds (reference.stored_values), with the codes and
   mean of the unrounded keys, as the engine hashes them before the insert."""
   B, K, T, _ = k_BKTD.shape
   valid_BKT = jnp.broadcast_to(jnp.arange(T)[None, None] < lengths_B[:, None, None], (B, K, T))
   w = lsh.simhash_matrix(0, 3, D, num_bits, num_tables)
   mu, _ = lsh.centre_and_hash(k_BKTD, valid_BKT, w, num_bits, num_tables)
-  return lsh.pool_attention_ref(q_BHD, lsh.stored_values(k_BKTD, store_dtype),
-                                lsh.stored_values(v_BKTD, store_dtype), valid_BKT, mu, w,
+  return reference.pool_attention_ref(q_BHD, reference.stored_values(k_BKTD, store_dtype),
+                                reference.stored_values(v_BKTD, store_dtype), valid_BKT, mu, w,
                                 num_bits, num_tables, codes_BKTL=codes_BKTL)
 
 
 @pytest.mark.parametrize("kernels", ["best", "scalar"])
 def test_int8_store_matches_reference(kernels, monkeypatch):
   """int8 K/V with a per-row scale (store dtype "int8") against the oracle over the same
-  quantised rows (lsh.quantize_int8_rows): equal up to f32 summation order, as for float32. And
+  quantised rows (reference.quantize_int8_rows): equal up to f32 summation order, as for float32. And
   against the unquantised f32 oracle: int8 rounds each element by at most max|row| / 254, a
   little more than bf16's 2^-9 relative, so the same loose bound as the bf16 test holds."""
   monkeypatch.setenv("PIGJAX_KERNELS", kernels)
@@ -167,12 +167,12 @@ def test_quantize_int8_rows():
   """Scale max|x| / 127 per row, ties to even, the largest element exactly +-127, zero rows."""
   x = jnp.asarray([[127.0, 63.5, 62.5, -0.5], [0.0, 0.0, 0.0, 0.0], [-254.0, 1.0, 3.0, 0.0]],
                   jnp.float32)  # scales 1, 1 (zero row) and 2: every division exact
-  x8, scale = lsh.quantize_int8_rows(x)
+  x8, scale = reference.quantize_int8_rows(x)
   np.testing.assert_array_equal(scale, [1.0, 1.0, 2.0])
   np.testing.assert_array_equal(x8, [[127, 64, 62, 0], [0, 0, 0, 0], [-127, 0, 2, 0]])
   assert x8.dtype == jnp.int8
   with pytest.raises(ValueError, match="store_dtype"):
-    lsh.stored_values(x, "int4")
+    reference.stored_values(x, "int4")
 
 
 def test_bf16_queries_and_scalar_kernels_and_threads(monkeypatch):

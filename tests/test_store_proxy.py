@@ -1,5 +1,5 @@
 """The host store's proxy estimator (xla_ffi/proxy.h, store_proxy.h) against its pure-jnp twin
-(pigjax/estimators.py): random pools, appended keys, ties, edge cases and bad operands.
+(pigjax/proxy.py): random pools, appended keys, ties, edge cases and bad operands.
 
 Shape letters: B batch, K kv heads, H query heads, T tokens, D head dim.
 """
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pigjax import estimators
-from pigjax.store import HostKVStore, proxy_index_bytes, store_attend, store_insert
+from pigjax.estimators import proxy
+from pigjax.store import HostKVStore, store_attend, store_insert
 
 RuntimeErr = jax.errors.JaxRuntimeError
 
@@ -24,12 +24,12 @@ def _ref(q_BHD, k_BKTD, v_BKTD, lengths_B, first_B, *, bits, fraction, tail, k_m
   B, K, T, _ = k_BKTD.shape
   t_BKT = jnp.broadcast_to(jnp.arange(T)[None, None], (B, K, T))
   valid_BKT = t_BKT < lengths_B[:, None, None]
-  mu, lo, step = estimators.quantize_stats(k_BKTD, t_BKT < first_B[:, None, None], bits)
-  index = estimators.ProxyIndex(mu, lo, step, estimators.quantize_codes(k_BKTD, valid_BKT, mu, lo,
+  mu, lo, step = proxy.quantize_stats(k_BKTD, t_BKT < first_B[:, None, None], bits)
+  index = proxy.ProxyIndex(mu, lo, step, proxy.quantize_codes(k_BKTD, valid_BKT, mu, lo,
                                                                          step, bits))
-  vbar = estimators.pool_mean_values(v_BKTD, valid_BKT)
-  k_keep_B = estimators.keep_count(fraction, lengths_B)
-  return estimators.proxy_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, index, vbar, k_keep_B,
+  vbar = proxy.pool_mean_values(v_BKTD, valid_BKT)
+  k_keep_B = proxy.keep_count(fraction, lengths_B)
+  return proxy.proxy_attention_ref(q_BHD, k_BKTD, v_BKTD, valid_BKT, index, vbar, k_keep_B,
                                         k_max, tail=tail), mu
 
 
@@ -187,7 +187,7 @@ def test_threads_do_not_change_the_result():
   B, K, G, D, T = 2, 1, 3, 64, 9000
   k, v, q = _data(5, B, K, G, T, D)
   lengths_B = jnp.asarray([T, 7000], jnp.int32)
-  mu = estimators.pool_mean_values(k, jnp.arange(T)[None, None] < lengths_B[:, None, None])
+  mu = proxy.pool_mean_values(k, jnp.arange(T)[None, None] < lengths_B[:, None, None])
   outs = []
   for threads in (1, 4):
     with _store(B, K, D, T, threads=threads) as store:
@@ -232,11 +232,11 @@ def test_index_memory_is_accounted():
   proxy8 = HostKVStore.estimate_bytes(**geo, estimator="proxy", proxy_bits=8)
   proxy3 = HostKVStore.estimate_bytes(**geo, estimator="proxy", proxy_bits=3)
   assert proxy_bytes < lsh_bytes / 2
-  extra8 = proxy_index_bytes(8, 64) - proxy_index_bytes(4, 64)
+  extra8 = proxy.index_bytes_per_token(8, 64) - proxy.index_bytes_per_token(4, 64)
   assert proxy8 - proxy_bytes == 2 * 3 * 4096 * extra8
-  assert (proxy_index_bytes(4, 64), proxy_index_bytes(8, 64)) == (32, 64)
+  assert (proxy.index_bytes_per_token(4, 64), proxy.index_bytes_per_token(8, 64)) == (32, 64)
   assert proxy3 == proxy_bytes  # 3 bits are stored (and scanned) as 4
-  assert (proxy_index_bytes(4, 40), proxy_index_bytes(6, 24)) == (24, 24)  # padded groups
+  assert (proxy.index_bytes_per_token(4, 40), proxy.index_bytes_per_token(6, 24)) == (24, 24)  # padded groups
 
 
 @pytest.mark.parametrize("T", [1600, 4096, 20000])  # 20000: the fallback through the bins

@@ -30,9 +30,11 @@ import numpy as np
 
 from pigjax import _pigjax_ffi, attention, lsh
 from pigjax.config import AttentionConfig, ModelConfig, SamplingConfig
-from pigjax.engine import DenseBackend, Engine
+from pigjax.attention import DenseBackend
+from pigjax.engine import Engine
 from pigjax.magicpig import MagicPigBackend, MagicPigCache
 from pigjax.model import apply_rope, rope_tables
+from pigjax.step import UniformSampler
 from pigjax.store import HostKVStore, store_attend, store_insert
 
 GPL = "/usr/share/common-licenses/GPL-3"
@@ -89,8 +91,9 @@ def real_prefill(engine: Engine, ids: list[int], batch: int = 1) -> tuple[attent
   tokens_BN = np.tile(np.asarray(ids, np.int32), (batch, 1))
   tokens_BN = np.pad(tokens_BN, ((0, 0), (0, cache_len - n)))
   h = jnp.zeros((batch, engine.cfg.model.hidden_size), engine.model.dtype)
-  step = engine._compile("prefill", engine._prefill_chunk, (), (1,), engine.params, cache,
-                         jnp.asarray(tokens_BN[:, :chunk]), jnp.zeros((batch,), jnp.int32), h)
+  step = engine.programs.get("prefill", engine.core.prefill_chunk, engine.params, cache,
+                             jnp.asarray(tokens_BN[:, :chunk]), jnp.zeros((batch,), jnp.int32), h,
+                             donate=(1,))
   t0 = time.perf_counter()
   for s in range(0, cache_len, chunk):
     nval = jnp.full((batch,), max(0, min(chunk, n - s)), jnp.int32)
@@ -188,7 +191,7 @@ def magicpig_cache(backend: MagicPigBackend, dense: attention.DenseCache, n: int
       continue
     k_l, v_l = dense.k[layer], dense.v[layer]
     k.append(jnp.pad(k_l[:, :, pos_J], pad)), v.append(jnp.pad(v_l[:, :, pos_J], pad))
-    w_l = backend._hash_matrix(layer)  # None for the proxy estimator: nothing to hash
+    w_l = backend.estimator.layer_matrix(layer)  # None for the proxy estimator: nothing to hash
     t0 = time.perf_counter()
     if w_l is None:
       kp_f = k_l[:, :, a.sink:n - a.window].astype(jnp.float32)
@@ -213,9 +216,9 @@ def magicpig_cache(backend: MagicPigBackend, dense: attention.DenseCache, n: int
     timings.update(hash_s=t_hash, insert_s=t_insert)
   return MagicPigCache(
       k=tuple(k), v=tuple(v), lengths_B=jnp.full((B,), n, jnp.int32),
-      exact_pos_BX=jnp.asarray(exact_pos_BX), gen_count=jnp.int32(0), mu=tuple(mu), w=tuple(w),
-      pool_len_B=out_len, handle=jnp.int32(backend.store.handle), cand_total=jnp.float32(0),
-      pool_total=jnp.float32(0))
+      exact_pos_BX=jnp.asarray(exact_pos_BX), gen_count_B=jnp.zeros((B,), jnp.int32),
+      mu=tuple(mu), w=tuple(w), pool_len_B=out_len, handle=jnp.int32(backend.store.handle),
+      cand_total_B=jnp.zeros((B,), jnp.float32), pool_total_B=jnp.zeros((B,), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,8 +250,9 @@ def decode_stepper(engine: Engine, cache, batch: int, history_len: int) -> Calla
   key = jax.random.key(0)
   hist = jnp.full((batch, history_len), -1, jnp.int32)
   tok = jnp.zeros((batch,), jnp.int32)
-  step = engine._compile("decode", functools.partial(engine._decode_step, sc=sc), (sc,), (1,),
-                         engine.params, cache, tok, key, hist)
+  sampler = UniformSampler(sc)
+  step = engine.programs.get("decode", functools.partial(engine.core.decode_step, sampler=sampler),
+                             engine.params, cache, tok, key, hist, donate=(1,), static=(sampler,))
   state = {"cache": cache, "tok": tok}
 
   def run() -> float:
@@ -383,7 +387,7 @@ def attention_only_steps(num_layers: int, num_heads: int, num_kv_heads: int, hea
                                                jnp.ones((batch, 1, k.shape[2]), bool))
       codes = lsh.hash_codes(q_BHD, w, num_bits, num_tables)
       o_p, lse_p, _ = store_attend(store.handle, l, slots, q_BHD, codes, dep)
-      o, _ = lsh.merge_attention(o_ex[:, 0], lse_ex[:, 0], o_p, lse_p)
+      o, _ = attention.merge_attention(o_ex[:, 0], lse_ex[:, 0], o_p, lse_p)
       total = total + o
     return total
 

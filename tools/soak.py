@@ -8,7 +8,7 @@ pool, and the decode speed. `compare_with_reference` checks a shorter prefix tok
 against the pure-jnp reference backend with the same evictions
 (`PoolPolicyBackend(..., pool_generated=True)`).
 
-`RecordingBackend` wraps any Engine backend whose cache carries `cand_total` / `pool_total`
+`RecordingBackend` wraps any Engine backend whose cache carries `cand_total_B` / `pool_total_B`
 (MagicPIG's). It zeroes those float32 sums after reading each interval and keeps the totals in
 Python floats: over thousands of steps a float32 sum of (pool tokens x heads x layers) passes
 2^24 and no longer adds small steps exactly.
@@ -83,7 +83,9 @@ class RecordingBackend:
 
   @property
   def compile_s(self) -> float:
-    return self.inner.compile_s
+    """Seconds the inner backend spent compiling its own programs."""
+    programs = getattr(self.inner, "programs", None)
+    return programs.compile_s if programs is not None else 0.0
 
   def create_cache(self, batch: int, max_len: int, dtype):
     return self.inner.create_cache(batch, max_len, dtype)
@@ -91,26 +93,27 @@ class RecordingBackend:
   def after_prefill(self, cache, lengths_B):
     cache = self.inner.after_prefill(cache, lengths_B)
     self.samples, self._cand, self._pool, self._step = [], 0.0, 0.0, 0
-    self._t, self._compile, self._t_step = time.perf_counter(), self.inner.compile_s, 0
+    self._t, self._compile, self._t_step = time.perf_counter(), self.compile_s, 0
     return self._record(cache, 0)
 
   def after_step(self, cache):
     cache = self.inner.after_step(cache)
     self._step += 1
     if self._step == 1:  # speed is timed from here: the engine compiles its step before it
-      self._t, self._compile, self._t_step = time.perf_counter(), self.inner.compile_s, 1
+      self._t, self._compile, self._t_step = time.perf_counter(), self.compile_s, 1
     return self._record(cache, self._step) if self._step % self.every == 0 else cache
 
   def stats(self, cache) -> dict:
-    pool = self._pool + float(cache.pool_total)
-    return {"pool_fraction": (self._cand + float(cache.cand_total)) / pool if pool else 0.0}
+    pool = self._pool + float(jnp.sum(cache.pool_total_B))
+    return {"pool_fraction": (self._cand + float(jnp.sum(cache.cand_total_B))) / pool
+            if pool else 0.0}
 
   def _record(self, cache, step: int):
     cache = jax.block_until_ready(cache)  # host-side readings must follow the dispatched work
-    now, compiled = time.perf_counter(), self.inner.compile_s
+    now, compiled = time.perf_counter(), self.compile_s
     elapsed = now - self._t - (compiled - self._compile)
     steps = step - self._t_step
-    cand, pool = float(cache.cand_total), float(cache.pool_total)
+    cand, pool = float(jnp.sum(cache.cand_total_B)), float(jnp.sum(cache.pool_total_B))
     self._cand, self._pool = self._cand + cand, self._pool + pool
     store = getattr(self.inner, "store", None)
     pool_tokens = int(cache.pool_len_B[0])
@@ -125,9 +128,9 @@ class RecordingBackend:
     self.samples.append(sample)
     if self.on_sample:
       self.on_sample(sample)
-    self._t, self._compile, self._t_step = time.perf_counter(), self.inner.compile_s, step
-    return dataclasses.replace(cache, cand_total=jnp.zeros_like(cache.cand_total),
-                               pool_total=jnp.zeros_like(cache.pool_total))
+    self._t, self._compile, self._t_step = time.perf_counter(), self.compile_s, step
+    return dataclasses.replace(cache, cand_total_B=jnp.zeros_like(cache.cand_total_B),
+                               pool_total_B=jnp.zeros_like(cache.pool_total_B))
 
 
 def pool_token_bytes(store: HostKVStore) -> int:

@@ -7,12 +7,12 @@ differs (QUALITY.md, "Method"):
 
   dense      the whole pool                                   (full attention, the reference)
   magicpig   the configured estimator (attention.estimator): "magicpig" = the LSH-sampled,
-             importance-weighted set (lsh.pool_attention_ref, paper sections 3-5); "proxy" =
+             importance-weighted set (reference.pool_attention_ref, paper sections 3-5); "proxy" =
              score-proxy top-k of attention.proxy_fraction of the pool with a tail estimate
-             (estimators.proxy_attention_ref)
-  proxy      score-proxy top-k (estimators.proxy_attention_ref) reading exactly `k_keep` rows,
+             (proxy.proxy_attention_ref)
+  proxy      score-proxy top-k (proxy.proxy_attention_ref) reading exactly `k_keep` rows,
              bits and tail from attention.proxy_bits / proxy_tail (matched like topk)
-  topk       the exact top-`k_keep` pool keys by score per query head (oracle, lsh.topk_...)
+  topk       the exact top-`k_keep` pool keys by score per query head (oracle, reference.topk_...)
   quest      top `n_pages` pages of 16 pool tokens by the page bound
              sum_d max(q_d min_d, q_d max_d) (Quest, arXiv 2406.10774, section 3)
   streaming  nothing: sink + window only (StreamingLLM, arXiv 2309.17453)
@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pigjax import attention, estimators, lsh
+from pigjax import attention, lsh, reference
+from pigjax.estimators import proxy
 from pigjax.config import Config
 
 POLICIES = ("dense", "magicpig", "topk", "proxy", "quest", "streaming")
@@ -65,7 +66,7 @@ class PolicyCache:
   codes: tuple  # magicpig: per sparse layer [B, K, S, L] codes of k - mu; else None
   page_min: tuple  # quest: per sparse layer [B, K, P, D]; else None
   page_max: tuple
-  index: tuple  # proxy: per sparse layer estimators.ProxyIndex of the pool; else None
+  index: tuple  # proxy: per sparse layer proxy.ProxyIndex of the pool; else None
   vbar: tuple  # proxy: per sparse layer [B, K, D] pool mean value; else None
   probe: jax.Array  # bool scalar: return dense outputs and accumulate the error below
   err2_BY: jax.Array  # f32 per slot and sparse layer: sum over steps of |o_policy - o_dense|^2
@@ -88,9 +89,9 @@ class PoolPolicyBackend:
       policies' pool indexes (Quest pages, proxy codes) are built once at prefill.
   """
 
-  # Engine protocol: seconds spent compiling the backend's own programs. after_prefill's program is
-  # compiled lazily by jax.jit, so the Engine counts it as prefill time.
-  compile_s = 0.0
+  # The step protocol's own programs: none ahead of time. after_prefill's program is compiled
+  # lazily by jax.jit, so the Engine counts it as prefill time.
+  programs = None
 
   def __init__(self, cfg: Config, pool_policy: str, *, k_keep: int = 0, n_pages: int = 0,
                pool_generated: bool = False):
@@ -153,7 +154,7 @@ class PoolPolicyBackend:
     o_ex_BTHD, lse_ex_BTH = attention.attend_with_lse(q_BTHD, k_BKSD, v_BKSD,
                                                       (seen_BS & ~pool_BS)[:, None])
     o_pool_BHD, lse_pool_BH, count_BH = self._pool(q_BHD, k_BKSD, v_BKSD, pool_BS, cache, y)
-    o_BHD, _ = lsh.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
+    o_BHD, _ = attention.merge_attention(o_ex_BTHD[:, 0], lse_ex_BTH[:, 0], o_pool_BHD, lse_pool_BH)
 
     o_dense_BTHD, _ = attention.attend_with_lse(q_BTHD, k_BKSD, v_BKSD, seen_BS[:, None])
     o_dense_BHD = o_dense_BTHD[:, 0]
@@ -181,7 +182,7 @@ class PoolPolicyBackend:
     valid_BKS = jnp.broadcast_to(pool_BS[:, None], k_BKSD.shape[:3])
     n_pool_BH = jnp.broadcast_to(jnp.sum(pool_BS, axis=-1, dtype=jnp.int32)[:, None], (B, H))
     if self.policy == "dense":
-      o, lse = lsh.dense_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS)
+      o, lse = reference.dense_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS)
       return o, lse, n_pool_BH
     if self.policy == "streaming":
       return (jnp.zeros(q_BHD.shape, jnp.float32), jnp.full((B, H), -jnp.inf, jnp.float32),
@@ -191,23 +192,23 @@ class PoolPolicyBackend:
       if self.policy == "proxy":  # a fixed row count (matched to another method's fraction)
         k_keep_B, k_max = jnp.minimum(n_pool_BH[:, 0], self.k_keep), self.k_keep
       else:  # attention.proxy_fraction of each slot's pool
-        k_keep_B = estimators.keep_count(a.proxy_fraction, n_pool_BH[:, 0])
+        k_keep_B = proxy.keep_count(a.proxy_fraction, n_pool_BH[:, 0])
         k_max = int(np.ceil(a.proxy_fraction * S))
-      return estimators.proxy_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.index[y],
+      return proxy.proxy_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.index[y],
                                             cache.vbar[y], k_keep_B, k_max, tail=a.proxy_tail)
     if self.policy == "magicpig":
       w = self._hash_matrix(self.sparse_layers[y])
-      return lsh.pool_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.mu[y], w,
+      return reference.pool_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.mu[y], w,
                                     a.num_bits, a.num_tables, codes_BKTL=cache.codes[y])
     if self.policy == "topk":
-      o, lse = lsh.topk_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, self.k_keep)
+      o, lse = reference.topk_attention_ref(q_BHD, k_BKSD, v_BKSD, valid_BKS, self.k_keep)
       return o, lse, jnp.minimum(n_pool_BH, self.k_keep)
     return self._quest(q_BHD, k_BKSD, v_BKSD, valid_BKS, cache.page_min[y], cache.page_max[y])
 
   def _quest(self, q_BHD, k_BKSD, v_BKSD, valid_BKS, min_BKPD, max_BKPD):
     """Quest: keep the n_pages pages with the largest upper bound on q . k (per query head)."""
     a = self.cfg.attention
-    q_BKGD = lsh.group_heads(q_BHD, k_BKSD.shape[1])
+    q_BKGD = reference.group_heads(q_BHD, k_BKSD.shape[1])
     bound_BKGP = jnp.sum(jnp.maximum(q_BKGD[:, :, :, None] * min_BKPD[:, :, None],
                                      q_BKGD[:, :, :, None] * max_BKPD[:, :, None]), axis=-1)
     page_ok_BKP = jnp.isfinite(min_BKPD[..., 0])
@@ -223,9 +224,9 @@ class PoolPolicyBackend:
     S = k_BKSD.shape[2]
     page_S = jnp.clip((jnp.arange(S) - a.sink) // PAGE, 0, P - 1)
     keep_BKGS = jnp.take(keep_BKGP, page_S, axis=-1) & valid_BKS[:, :, None]
-    s_BKGS = lsh.head_scores(q_BKGD, k_BKSD, None)
-    o_BKGD, lse_BKG = lsh.masked_attention(s_BKGS, keep_BKGS, v_BKSD)
-    o_BHD, lse_BH = lsh.ungroup_heads(o_BKGD, lse_BKG)
+    s_BKGS = reference.head_scores(q_BKGD, k_BKSD, None)
+    o_BKGD, lse_BKG = reference.masked_attention(s_BKGS, keep_BKGS, v_BKSD)
+    o_BHD, lse_BH = reference.ungroup_heads(o_BKGD, lse_BKG)
     b, k, g, s = keep_BKGS.shape
     return o_BHD, lse_BH, jnp.sum(keep_BKGS.reshape(b, k * g, s), axis=-1, dtype=jnp.int32)
 
@@ -267,9 +268,9 @@ class PoolPolicyBackend:
       k_BKSD = dense.k[layer].astype(jnp.float32)
       valid_BKS = jnp.broadcast_to(pool_BS[:, None], k_BKSD.shape[:3])
       if self.rule == "proxy":
-        index.append(estimators.build_index(k_BKSD, valid_BKS, a.proxy_bits))
+        index.append(proxy.build_index(k_BKSD, valid_BKS, a.proxy_bits))
         mu.append(index[-1].mu)
-        vbar.append(estimators.pool_mean_values(dense.v[layer], valid_BKS))
+        vbar.append(proxy.pool_mean_values(dense.v[layer], valid_BKS))
       elif self.policy == "magicpig":
         m_, c_ = lsh.centre_and_hash(k_BKSD, valid_BKS, self._hash_matrix(layer), a.num_bits,
                                      a.num_tables)

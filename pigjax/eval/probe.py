@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from pigjax import estimators
+from pigjax.estimators import proxy
 
 KV_ROW_BYTES = 2 * 2 * 64  # a bf16 K row + V row of head dim 64 (the store's layout)
 
@@ -223,8 +223,8 @@ class ProxyTopK:
   def __call__(self, q_D):
     qp = q_D if self.ch is None else q_D[self.ch]
     # Proxy score of every pool key: q . k~ approximated, plus the constant q . mu; the weights
-    # scale * q * step rounded to int8 as the product's scan does (estimators.query_weights).
-    wq, sw = estimators.query_weights(self.scale * qp * self.step, xp=np)
+    # scale * q * step rounded to int8 as the product's scan does (proxy.query_weights).
+    wq, sw = proxy.query_weights(self.scale * qp * self.step, xp=np)
     sp = sw[0] * (self.code @ wq) + (qp @ self.lo + q_D @ self.mu) * self.scale
     t = sp.size
     kk = min(self.k_keep, t)

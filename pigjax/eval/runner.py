@@ -3,45 +3,49 @@
 The harness prefills each batch of examples densely once (`Runner.prefill`), then for every
 method turns a copy of that dense cache into the method's cache (`Runner.start`: the backend's
 `after_prefill`), and feeds tokens one jitted decode step at a time (`teacher_force`, `greedy`),
-collecting next-token log-probabilities. The step is the Engine's decode step without sampling:
-`(params, cache, token_B) -> (logprobs_BV, cache)`, compiled once per backend and shape.
+collecting next-token log-probabilities. The pieces are `pigjax.step.StepCore`'s, the same the
+Engine drives, without sampling: `(params, cache, token_B) -> (logprobs_BV, cache)`, compiled once
+per backend and shape.
 
 Shape key: B batch   T tokens   V vocab   S cache positions
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pigjax import attention
 from pigjax.config import Config
 from pigjax.model import Llama
+from pigjax.step import StepCore
 
 
 class Runner:
 
   def __init__(self, cfg: Config, model: Llama, chunk: int = 512):
     self.cfg = cfg
-    self.graphdef, self.params = nnx.split(model)
+    self.model = model
     self.dtype = model.dtype
     self.chunk = chunk
-    self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
-    self._steps: dict[int, tuple] = {}
+    self.dense = StepCore(cfg, model, attention.DenseBackend(cfg))
+    self.params = self.dense.params
+    self._cores: dict[int, tuple] = {}  # id(backend) -> (backend, its StepCore)
 
-  def _prefill_chunk(self, params, cache, tokens_BT, n_valid):
-    model = nnx.merge(self.graphdef, params)
-    T = tokens_BT.shape[1]
-    positions_BT = cache.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    h_BTE, cache = model(tokens_BT, positions_BT, attention.dense_attend, cache)
-    h_BE = jax.lax.dynamic_index_in_dim(h_BTE, n_valid - 1, axis=1, keepdims=False)
-    cache = dataclasses.replace(cache, lengths_B=cache.lengths_B + n_valid)
-    return jax.nn.log_softmax(model.logits(h_BE[:, None])[:, 0]), cache
+  def _core(self, backend) -> StepCore:
+    """The step core over `backend` (one per backend; the parameters are shared, not copied)."""
+    if id(backend) not in self._cores:
+      self._cores[id(backend)] = (backend, StepCore(self.cfg, self.model, backend))
+    return self._cores[id(backend)][1]
+
+  def _prefill_chunk(self, params, cache, tokens_BT, n_valid_B):
+    B = tokens_BT.shape[0]
+    none_BE = jnp.zeros((B, self.cfg.model.hidden_size), self.dtype)
+    cache, h_BE = self.dense.prefill_chunk(params, cache, tokens_BT, n_valid_B, none_BE)
+    return jax.nn.log_softmax(self.dense.first_logits(params, h_BE)), cache
 
   def prefill(self, ids_BT: np.ndarray, cache_len: int) -> tuple[attention.DenseCache, np.ndarray]:
     """Dense prefill of equal-length prompts; returns (cache, logprobs_BV of the last token)."""
@@ -65,22 +69,21 @@ class Runner:
       part = np.zeros((B, step), np.int32)
       n = min(step, T - s)
       part[:, :n] = ids_BT[:, s:s + n]
-      lp, cache = self._prefill(self.params, cache, jnp.asarray(part), jnp.int32(n))
+      lp, cache = self.dense.programs.run("prefill_logprobs", self._prefill_chunk, self.params,
+                                          cache, jnp.asarray(part), jnp.full((B,), n, jnp.int32),
+                                          donate=(1,))
     return cache, np.asarray(lp)
 
   # -- decode under a backend ---------------------------------------------------------------
 
-  def _step_fn(self, backend):
-    key = id(backend)
-    if key not in self._steps:
-      def step(params, cache, tok_B):
-        model = nnx.merge(self.graphdef, params)
-        h_B1E, cache = model(tok_B[:, None], cache.lengths_B[:, None], backend.decode_attend,
-                             cache)
-        cache = dataclasses.replace(cache, lengths_B=cache.lengths_B + 1)
-        return jax.nn.log_softmax(model.logits(h_B1E)[:, 0]), cache
-      self._steps[key] = (backend, jax.jit(step, donate_argnums=(1,)))
-    return self._steps[key][1]
+  def _step(self, backend, cache, tok_B):
+    """One teacher-forced decode step under `backend`: (logprobs_BV, cache)."""
+    core = self._core(backend)
+
+    def step(params, cache, tok_B):
+      logits_BV, cache = core.decode_logits(params, cache, tok_B)
+      return jax.nn.log_softmax(logits_BV), cache
+    return core.programs.run("step_logprobs", step, self.params, cache, tok_B, donate=(1,))
 
   def start(self, backend, dense: attention.DenseCache):
     """The backend's decode cache from a copy of a dense prefill cache (left untouched)."""
@@ -94,10 +97,9 @@ class Runner:
 
   def teacher_force(self, backend, cache, feed_BT: np.ndarray):
     """Feeds tokens one decode step each; returns (logprobs [B, T, V] after each token, cache)."""
-    step = self._step_fn(backend)
     out = []
     for t in range(feed_BT.shape[1]):
-      lp, cache = step(self.params, cache, jnp.asarray(feed_BT[:, t], jnp.int32))
+      lp, cache = self._step(backend, cache, jnp.asarray(feed_BT[:, t], jnp.int32))
       cache = backend.after_step(cache)
       out.append(lp)
     if not out:
@@ -106,10 +108,9 @@ class Runner:
 
   def greedy(self, backend, cache, lp_BV: np.ndarray, n: int):
     """Greedy continuation of n tokens, the first chosen from lp_BV; returns ids [B, n]."""
-    step = self._step_fn(backend)
     toks = [np.argmax(lp_BV, axis=-1)]
     for _ in range(n - 1):
-      lp, cache = step(self.params, cache, jnp.asarray(toks[-1], jnp.int32))
+      lp, cache = self._step(backend, cache, jnp.asarray(toks[-1], jnp.int32))
       cache = backend.after_step(cache)
       toks.append(np.argmax(np.asarray(lp), axis=-1))
     return np.stack(toks, axis=1), cache

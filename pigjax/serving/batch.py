@@ -8,8 +8,10 @@ admitting a request with new settings never recompiles. The one static switch: a
 program while every row is greedy without penalty, the full sampler otherwise (two programs; a
 greedy row gets the same token from both).
 
-The model pieces are `pigjax.engine.Engine`'s (`_prefill_chunk`, `_decode_logits`,
-`_hidden_logits`, its compile cache); this module only adds per-row sampling and row insertion.
+The model pieces are `pigjax.step.StepCore`'s (the same prefill-chunk, first-token and decode-step
+functions `Engine` drives, and their compile cache), sampling each row with its own settings
+(`step.RowSampler`); the backend's row operations (`step.RowBackend`: `insert_row`, `free_row`,
+`maintain`) put a prefilled request into a row and keep its generated buffer.
 
 Shape key: B rows (slots)   T prompt tokens in a chunk   S cache positions   E hidden size
 """
@@ -27,9 +29,8 @@ import numpy as np
 
 from pigjax import attention, sampling, sharding
 from pigjax.config import Config
-from pigjax.engine import Engine, _bucket, kv_cache_dtype
 from pigjax.model import Llama
-from pigjax.serving.rows import make_row_backend
+from pigjax.step import RowSampler, StepCore, bucket, kv_cache_dtype, make_backend
 
 
 @dataclasses.dataclass
@@ -70,8 +71,8 @@ class SlotBatch:
     self.cfg = cfg
     self.slots = slots
     self.cache_len = cache_len
-    self.backend = make_row_backend(cfg)
-    self.engine = Engine(cfg, model, self.backend)
+    self.backend = make_backend(cfg)
+    self.core = StepCore(cfg, model, self.backend)
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
       self.cache_dtype = kv_cache_dtype(cfg, model.dtype)
@@ -81,12 +82,17 @@ class SlotBatch:
 
   @property
   def params(self):
-    return self.engine.params
+    return self.core.params
+
+  @property
+  def programs(self):
+    """The compiled programs (prefill buckets, row insert, first token, decode, maintenance)."""
+    return self.core.programs
 
   # -- prefill ------------------------------------------------------------------------------
 
   def start_prefill(self, prompt_ids: Sequence[int]) -> Prefill:
-    step_len = min(self.cfg.prefill_chunk, _bucket(len(prompt_ids), 32))
+    step_len = min(self.cfg.prefill_chunk, bucket(len(prompt_ids), 32))
     m = self.cfg.model
     cache = attention.DenseCache.create(m.num_layers, 1, m.num_kv_heads, self.cache_len,
                                         m.head_dim, self.cache_dtype)
@@ -100,8 +106,8 @@ class SlotBatch:
     tokens_1T[0, :len(chunk)] = chunk
     args = (self.params, p.cache, jnp.asarray(tokens_1T), jnp.asarray([len(chunk)], jnp.int32),
             p.last_hidden_1E)
-    run = self.engine._compile("prefill", self.engine._prefill_chunk, (), (1,), *args)
-    p.cache, p.last_hidden_1E = run(*args)
+    p.cache, p.last_hidden_1E = self.programs.run("prefill", self.core.prefill_chunk, *args,
+                                                  donate=(1,))
     p.done_tokens += len(chunk)
 
   def admit(self, p: Prefill, slot: int, row: Any, seed: int, history_S: np.ndarray) -> int:
@@ -124,19 +130,13 @@ class SlotBatch:
     args = (self.cache, p.cache, jnp.int32(slot))
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      insert = self.engine._compile("insert_row", self.backend.insert_row, (), (0,), *args)
-      self.cache = insert(*args)
+      self.cache = self.programs.run("insert_row", self.backend.insert_row, *args, donate=(0,))
     args = (self.params, p.last_hidden_1E, jnp.asarray([seed], jnp.int32),
             jnp.zeros((1,), jnp.int32), rows,
             jnp.asarray(history_S[None] if full else np.zeros((1, 1), np.int32)))
-    first = self.engine._compile(
-        "first_rows", functools.partial(self._first_rows, full=full), (full,), (), *args)
-    return int(first(*args)[0])
-
-  def _first_rows(self, params, last_hidden_BE, seeds_B, counters_B, rows, history_BS, *, full):
-    logits_BV = self.engine._hidden_logits(params, last_hidden_BE)
-    return sampling.sample_rows(logits_BV, sampling.row_keys(seeds_B, counters_B), rows,
-                                penalize=full, stochastic=full, prev_tokens_BT=history_BS)
+    sampler = RowSampler(full)
+    first = functools.partial(self.core.first_token, sampler=sampler)
+    return int(self.programs.run("first_rows", first, *args, static=(sampler,))[0])
 
   # -- decode -------------------------------------------------------------------------------
 
@@ -168,21 +168,14 @@ class SlotBatch:
     hist = jnp.asarray(history_BS) if full else jnp.zeros((self.slots, 1), jnp.int32)
     args = (self.params, self.cache, jnp.asarray(tokens_B, jnp.int32),
             jnp.asarray(seeds_B, jnp.int32), jnp.asarray(counters_B, jnp.int32), rows, hist)
-    decode = self.engine._compile(
-        "decode_rows", functools.partial(self._decode_rows, full=full), (full,), (1,), *args)
-    next_B, self.cache = decode(*args)
+    sampler = RowSampler(full)
+    decode = functools.partial(self.core.decode_step, sampler=sampler)
+    next_B, self.cache = self.programs.run("decode_rows", decode, *args, donate=(1,),
+                                           static=(sampler,))
     if self.backend.needs_maintenance(self.cache):
-      args = (self.cache, jnp.asarray(active_B, bool))
-      run = self.engine._compile("maintain", self.backend.maintain, (), (0,), *args)
-      self.cache = run(*args)
+      self.cache = self.programs.run("maintain", self.backend.maintain, self.cache,
+                                     jnp.asarray(active_B, bool), donate=(0,))
     return np.asarray(jax.block_until_ready(next_B))
-
-  def _decode_rows(self, params, cache, tokens_B, seeds_B, counters_B, rows, history_BS, *,
-                   full):
-    logits_BV, cache = self.engine._decode_logits(params, cache, tokens_B)
-    next_B = sampling.sample_rows(logits_BV, sampling.row_keys(seeds_B, counters_B), rows,
-                                  penalize=full, stochastic=full, prev_tokens_BT=history_BS)
-    return next_B, cache
 
   def sync(self) -> None:
     """Waits for every dispatched program (before host-side store calls)."""

@@ -31,7 +31,7 @@ costs O(new keys). The C++ kernel (xla_ffi/proxy.h, store_proxy.h) does exactly 
 
 The probe (`scripts/probe_estimators.py`) measured the variants this module was chosen from.
 This is the pure-jnp, mask-based reference (O(pool) per query, static shapes, jit-able), in the
-shape conventions of `pigjax.lsh`: B batch, H query heads, K kv heads, G query heads per kv head,
+shape conventions of `pigjax.reference`: B batch, H query heads, K kv heads, G query heads per kv head,
 T pool tokens, D head dim.
 """
 
@@ -42,8 +42,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pigjax import lsh
-from pigjax.config import PROXY_TAILS
+from pigjax import reference
+from pigjax.attention import merge_attention
+from pigjax.config import PROXY_TAILS, AttentionConfig
+from pigjax.estimators import register
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -168,9 +170,9 @@ def proxy_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
   """
   if tail not in PROXY_TAILS:
     raise ValueError(f"proxy tail must be one of {PROXY_TAILS}, got {tail!r}.")
-  lsh.check_finite("proxy_attention_ref", q=q_BHD, k=(k_BKTD, valid_BKT), v=(v_BKTD, valid_BKT))
+  reference.check_finite("proxy_attention_ref", q=q_BHD, k=(k_BKTD, valid_BKT), v=(v_BKTD, valid_BKT))
   num_kv = k_BKTD.shape[1]
-  q_BKGD = lsh.group_heads(q_BHD, num_kv).astype(jnp.float32)
+  q_BKGD = reference.group_heads(q_BHD, num_kv).astype(jnp.float32)
   if scale is None:
     scale = 1.0 / (q_BKGD.shape[-1] ** 0.5)
   # Ranking scores: the exact integer scan scaled by a power of two (query_weights); the bias
@@ -189,19 +191,50 @@ def proxy_attention_ref(q_BHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
   kth_BKG = jnp.take_along_axis(top_BKGW, idx_B[:, None, None, None], axis=-1)[..., 0]
   keep_BKGT = valid_BKGT & (raw_BKGT >= kth_BKG[..., None]) & (k_keep_B > 0)[:, None, None, None]
 
-  s_BKGT = lsh.head_scores(q_BKGD, k_BKTD, scale)
-  o_BKGD, lse_BKG = lsh.masked_attention(s_BKGT, keep_BKGT, v_BKTD)
+  s_BKGT = reference.head_scores(q_BKGD, k_BKTD, scale)
+  o_BKGD, lse_BKG = reference.masked_attention(s_BKGT, keep_BKGT, v_BKTD)
   if tail == "mean":
     rest_BKGT = valid_BKGT & ~keep_BKGT
-    _, lse_rest_BKG = lsh.masked_attention(raw_BKGT, rest_BKGT, v_BKTD[..., :1])
+    _, lse_rest_BKG = reference.masked_attention(raw_BKGT, rest_BKGT, v_BKTD[..., :1])
     lse_rest_BKG = lse_rest_BKG + bias_BKG
     vbar_BKGD = jnp.broadcast_to(vbar_BKD[:, :, None].astype(jnp.float32), o_BKGD.shape)
-    o_BKGD, lse_BKG = lsh.merge_attention(o_BKGD, lse_BKG, vbar_BKGD, lse_rest_BKG)
-  o_BHD, lse_BH = lsh.ungroup_heads(o_BKGD, lse_BKG)
+    o_BKGD, lse_BKG = merge_attention(o_BKGD, lse_BKG, vbar_BKGD, lse_rest_BKG)
+  o_BHD, lse_BH = reference.ungroup_heads(o_BKGD, lse_BKG)
   b, k, g, t = keep_BKGT.shape
   return o_BHD, lse_BH, jnp.sum(keep_BKGT.reshape(b, k * g, t), axis=-1, dtype=jnp.int32)
 
 
-def index_bytes_per_token(bits: int, head_dim: int) -> float:
-  """Bytes of index per pool token and KV head (also the bytes one decode step scans per token)."""
-  return bits * head_dim / 8.0
+def index_bytes_per_token(bits: int, head_dim: int) -> int:
+  """Index bytes per pool token and KV head that the proxy store keeps and scans every step
+  (xla_ffi/proxy.h ProxyLayout): bits <= 4 pack two channels a byte, bits 5..8 one, and channels
+  are padded to groups of 16 (8 for bytes). 1-3 bits therefore cost what 4 do on the host."""
+  if bits <= 4:
+    return -(-head_dim // 16) * 8
+  return -(-head_dim // 8) * 8
+
+
+@register("proxy")
+class ProxyEstimator:
+  """The decode-path strategy: the store quantizes the centred keys into its index itself
+  (xla_ffi/estimator_proxy.h), so nothing is hashed and every codes operand has 0 columns; the
+  strategy computes only the pool's mean key."""
+  runs_on_mesh = False  # its store is not tested under shard_map yet
+
+  def __init__(self, a: AttentionConfig, head_dim: int):
+    self.a, self.head_dim = a, head_dim
+
+  def layer_matrix(self, layer: int):
+    return None
+
+  def index(self, k_BKPD, valid_BKP, w):
+    return pool_mean_values(k_BKPD, valid_BKP), jnp.zeros(k_BKPD.shape[:3] + (0,), jnp.int32)
+
+  def append_codes(self, k_BKTD, mu_BKD, w):
+    return jnp.zeros(k_BKTD.shape[:3] + (0,), jnp.int32)
+
+  def query_codes(self, q_BHD, w):
+    return jnp.zeros(q_BHD.shape[:2] + (0,), jnp.int32)
+
+  def stats(self) -> dict:
+    """The index it scans every step, per pool token and KV head (its lookup cost)."""
+    return {"index_bytes_per_token": index_bytes_per_token(self.a.proxy_bits, self.head_dim)}
