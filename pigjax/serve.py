@@ -10,7 +10,7 @@ flag, setting or path ends the start with one `pigjax: error: ...` line; `--debu
 PIGJAX_DEBUG=1) shows the traceback instead. The port is bound before the model loads, so a busy
 port is reported at once.
 
-`--api_key` (repeatable, or comma-separated; also serve.api_keys) makes every request but
+`--api_key` (repeatable, or comma-separated; also serve.api_keys and PIGJAX_API_KEY) makes every request but
 /health need `Authorization: Bearer <key>`; keep keys out of the process list with absl's
 `--flagfile=FILE` (a file of `--api_key=...` lines). SIGTERM or Ctrl-C drains the server:
 new requests get 503 while the running ones finish, for up to serve.shutdown_grace_s seconds,
@@ -52,7 +52,8 @@ def serve(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   cfg = config_lib.from_config_dict(_CONFIG.value)
-  keys = tuple(k.strip() for flag in _API_KEY.value for k in flag.split(",") if k.strip())
+  given = [*_API_KEY.value, os.environ.get("PIGJAX_API_KEY", "")]
+  keys = tuple(k.strip() for flag in given for k in flag.split(",") if k.strip())
   if keys:
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(
         cfg.serve, api_keys=tuple(dict.fromkeys(cfg.serve.api_keys + keys))))

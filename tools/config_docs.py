@@ -60,6 +60,9 @@ ENVIRONMENT = (
            "Threads of the process's compute pool, which runs the quantized matmuls, the dense "
            "decode attention kernel and a host store with `attention.threads=0`. Unset, `0` or "
            "not a number: all hardware threads. Read when the pool first starts."),
+    EnvVar("PIGJAX_API_KEY", "keys separated by commas", "unset: no key", "pigjax/serve.py",
+           "Keys the server accepts in `Authorization: Bearer <key>`, added to `--api_key` and "
+           "`serve.api_keys`; keeps them out of the process list."),
     EnvVar(multihost.ENV_COORDINATOR, "`host:port`", "unset: one process", "pigjax/multihost.py",
            "Process 0's coordinator of a multi-process run (`jax.distributed`), when "
            "`--coordinator_address` is not given. Set all three multi-process variables (or "
