@@ -276,14 +276,8 @@ static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_
     throw std::invalid_argument("store dtype must be 'bfloat16', 'float32' or 'int8', got '" +
                                 dtype + "'.");
   }
-  if (estimator == "magicpig") {
-    c.estimator = pigjax::Estimator::kMagicPig;
-  } else if (estimator == "proxy") {
-    c.estimator = pigjax::Estimator::kProxy;
-  } else {
-    throw std::invalid_argument("store estimator must be 'magicpig' or 'proxy', got '" +
-                                estimator + "'.");
-  }
+  if (auto e = pigjax::CheckEstimatorName(estimator); !e.empty()) throw std::invalid_argument(e);
+  c.estimator = estimator;
   if (proxy_tail != "mean" && proxy_tail != "none") {
     throw std::invalid_argument("proxy_tail must be 'mean' or 'none', got '" + proxy_tail + "'.");
   }

@@ -126,6 +126,25 @@ struct RowAllocator {
   bool operator!=(const RowAllocator<U>&) const { return false; }
 };
 
+// One (layer, slot, kv head) pool: its rows and its mean key. The estimator keeps the pool's
+// index beside it (estimators.h). Buffers grow geometrically up to the capacity (GrowTo).
+struct HeadPool {
+  int64_t n = 0;
+  std::vector<char, RowAllocator<char>> rows;  // [n] rows: K [D], V [D] of the store dtype
+  std::vector<float> scales;                   // int8 rows only: [n, 2] K and V scales
+  std::vector<float> mu;                       // [D]
+
+  uint64_t Bytes() const { return rows.capacity() + 4 * (scales.capacity() + mu.capacity()); }
+  void Clear() { *this = HeadPool(); }
+};
+
+// Resizes vec to `need`, reserving geometrically (twice the capacity) but never past `limit`.
+template <typename V>
+void GrowTo(V& vec, size_t need, size_t limit) {
+  if (need > vec.capacity()) vec.reserve(std::min(limit, std::max(need, 2 * vec.capacity())));
+  vec.resize(need);
+}
+
 }  // namespace pigjax
 
 #endif  // PIGJAX_XLA_FFI_POOL_H_

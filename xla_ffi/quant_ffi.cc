@@ -14,7 +14,7 @@
 #include "xla_ffi/errors.h"
 #include "xla_ffi/quant.h"
 #include "xla_ffi/quant_ffi.h"
-#include "xla_ffi/store.h"
+#include "xla_ffi/store_config.h"
 #include "xla_ffi/thread_pool.h"
 
 namespace nb = nanobind;
