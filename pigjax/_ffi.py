@@ -1,7 +1,6 @@
 """Registers the extension's XLA FFI handlers with jax (once, on import)."""
 
 import jax
-import numpy as np
 
 from pigjax import _pigjax_ffi
 
@@ -9,9 +8,3 @@ from pigjax import _pigjax_ffi
 jax.devices("cpu")
 for _name, _capsule in _pigjax_ffi.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
-
-
-def scale(x: jax.Array, factor: float) -> jax.Array:
-  """x * factor through the trivial `pigjax_scale` handler (a build/registration smoke test)."""
-  return jax.ffi.ffi_call("pigjax_scale", jax.ShapeDtypeStruct(x.shape, x.dtype))(
-      x, scale=np.float32(factor))

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _pigjax_devtools  # the build's test and benchmark helpers (xla_ffi/devtools.cc)
 from pigjax import _pigjax_ffi, attention, lsh
 from pigjax.config import AttentionConfig, ModelConfig, SamplingConfig
 from pigjax.attention import DenseBackend
@@ -45,12 +46,12 @@ GPL = "/usr/share/common-licenses/GPL-3"
 
 
 def memory_bandwidth(mbytes: int = 512, threads: int = 0, repeats: int = 5) -> dict:
-  """STREAM-style copy and read bandwidth (GB/s, best of `repeats`) from the extension's C++.
+  """STREAM-style copy and read bandwidth (GB/s, best of `repeats`) from the build's C++ helpers.
 
   copy: b[i] = a[i] over two `mbytes` float arrays, counted as 2 x mbytes moved (STREAM's
   convention). read: a sum over one array (what a gather-heavy kernel mostly does).
   """
-  copy, read = _pigjax_ffi.stream_bandwidth(mbytes << 20, threads, repeats)
+  copy, read = _pigjax_devtools.stream_bandwidth(mbytes << 20, threads, repeats)
   return {"copy_gbps": copy, "read_gbps": read, "mbytes": mbytes,
           "threads": threads or os.cpu_count()}
 

@@ -1,18 +1,14 @@
 // XLA FFI bindings of pigjax's host kernels, exported to Python with nanobind.
 // The kernels themselves live in headers free of XLA and nanobind includes (store.h and below).
 #include <array>
-#include <cstring>
-#include <immintrin.h>
-#include <numeric>
-#include <utility>
 #include <cstdint>
 #include <memory>
-#include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nanobind/nanobind.h"
-#include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,25 +19,6 @@
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
-
-// y = x * scale: a trivial handler that proves the build and registration path.
-static ffi::Error ScaleImpl(ffi::BufferR1<ffi::F32> x, float scale,
-                            ffi::ResultBufferR1<ffi::F32> y) {
-  const int64_t n = x.element_count();
-  if (static_cast<int64_t>(y->element_count()) != n) {
-    return ffi::Error::InvalidArgument("scale: output size differs from input size");
-  }
-  const float* in = x.typed_data();
-  float* out = y->typed_data();
-  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * scale;
-  return ffi::Error::Success();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Scale, ScaleImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::BufferR1<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::BufferR1<ffi::F32>>());
 
 // ---------------------------------------------------------------------------------------------
 // Host KV store handlers. Operands are AnyBuffer so every rank/dtype problem gets a message that
@@ -204,54 +181,6 @@ static nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-__attribute__((target("avx2"))) static float SumAvx2(const float* a, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(),
-         s3 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(a + i));
-    s1 = _mm256_add_ps(s1, _mm256_loadu_ps(a + i + 8));
-    s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + i + 16));
-    s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
-  }
-  float out[8];
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-  float t = 0.f;
-  for (float x : out) t += x;
-  for (; i < n; ++i) t += a[i];
-  return t;
-}
-
-static std::pair<double, double> StreamBandwidth(int64_t bytes, int threads, int repeats) {
-  const int64_t n = std::max<int64_t>(bytes / 4, 1024);
-  std::vector<float> a(n, 1.f), b(n, 0.f);
-  pigjax::ThreadPool pool(threads);
-  const int64_t chunks = int64_t{threads} * 16, per = (n + chunks - 1) / chunks;
-  std::vector<float> sums(chunks);
-  const bool avx2 = __builtin_cpu_supports("avx2");
-  double best_copy = 0, best_read = 0;
-  for (int r = 0; r < repeats; ++r) {
-    uint64_t t0 = pigjax::NowNs();
-    pool.ParallelFor(chunks, [&](int64_t c, int) {
-      const int64_t lo = c * per, hi = std::min(n, lo + per);
-      if (lo < hi) std::memcpy(b.data() + lo, a.data() + lo, (hi - lo) * 4);
-    });
-    uint64_t t1 = pigjax::NowNs();
-    best_copy = std::max(best_copy, 2.0 * n * 4 / double(t1 - t0));
-    pool.ParallelFor(chunks, [&](int64_t c, int) {
-      const int64_t lo = c * per, hi = std::min(n, lo + per);
-      if (lo >= hi) return;
-      sums[c] = avx2 ? SumAvx2(a.data() + lo, hi - lo)
-                     : static_cast<float>(std::accumulate(a.data() + lo, a.data() + hi, 0.0));
-    });
-    uint64_t t2 = pigjax::NowNs();
-    best_read = std::max(best_read, 1.0 * n * 4 / double(t2 - t1));
-  }
-  volatile float sink = sums[0];
-  (void)sink;
-  return {best_copy, best_read};
-}
-
 static pigjax::StoreConfig MakeConfig(int num_layers, int num_slots, int num_kv_heads,
                                       int head_dim, int num_bits, int num_tables,
                                       int64_t capacity, const std::string& dtype, int threads,
@@ -301,7 +230,6 @@ static void Check(const std::string& e) {
 NB_MODULE(_pigjax_ffi, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["pigjax_scale"] = EncapsulateFfiHandler(Scale);
     d["pigjax_insert"] = EncapsulateFfiHandler(StoreInsert);
     d["pigjax_attend"] = EncapsulateFfiHandler(StoreAttend);
     pigjax::AddQuantRegistrations(d);
@@ -396,12 +324,6 @@ NB_MODULE(_pigjax_ffi, m) {
     d["parallel_calls"] = p.parallel_calls;
     d["alone_ns"] = p.alone_ns;
     return d;
-  });
-  // STREAM-style bandwidth (GB/s, best of `repeats`) with `threads` threads (0 = all): a copy
-  // b = a of two `bytes`-sized float arrays (counted as 2 x bytes) and a read-only sum of a.
-  m.def("stream_bandwidth", [](int64_t bytes, int threads, int repeats) {
-    nb::gil_scoped_release release;
-    return StreamBandwidth(bytes, pigjax::ResolveThreads(threads), repeats);
   });
   m.def("store_num_threads", [](int64_t h) { return GetStore(h, "store_num_threads")->num_threads(); });
   m.def("store_isa", [](int64_t h) { return std::string(GetStore(h, "store_isa")->isa()); });
