@@ -94,9 +94,10 @@ def main(argv):
   ms = lambda key: p[key] * 1e-6 / steps  # noqa: E731
   lookup = ""  # MagicPIG's table lookup only: the proxy scans its index instead
   if _ESTIMATOR.value == "magicpig":
-    lookup = (f" ({p['distinct_candidates'] / max(1, p['candidates']):.0%} of them distinct over "
-              f"a kv head's query heads); ids walked per head "
-              f"{p['ids_walked'] / max(1, p['heads']):.0f}")
+    # distinct_candidates exists only in builds with -C cmake.define.PIGJAX_PROFILE=ON.
+    distinct = (f" ({p['distinct_candidates'] / max(1, p['candidates']):.0%} of them distinct over "
+                f"a kv head's query heads)" if "distinct_candidates" in p else "")
+    lookup = f"{distinct}; ids walked per head {p['ids_walked'] / max(1, p['heads']):.0f}"
   print(f"store attend {ms('attend_ns'):.1f} ms per step (thread ms: lookup {ms('lookup_ns'):.1f}, "
         f"score {ms('score_ns'):.1f}, softmax {ms('softmax_ns'):.1f}; caller alone "
         f"{ms('alone_ns'):.1f}); candidates {p['candidates'] / max(1, p['heads']) / (n - 68):.2%} "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the extension with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize and
-# runs the store, FFI, robustness and fuzz tests against it. Exits non-zero on any failure or any
+# runs the store, FFI, robustness and fuzz tests against it. The build also compiles in the
+# counters of PIGJAX_PROFILE (xla_ffi/CMakeLists.txt), so that their tests run here. Exits non-zero on any failure or any
 # sanitizer report. Needs the repo's .venv (as .ci/run makes it); installs its build tools itself.
 #
 #   bash scripts/sanitize.sh            # PYTHON=... to use another interpreter
@@ -14,7 +15,7 @@ start=$(date +%s)
 "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4"
 rm -rf "$OUT/site" && mkdir -p "$OUT"
 "$PY" -m pip install -q --no-deps --no-build-isolation --target "$OUT/site" \
-  -C build-dir="$OUT/build" -C cmake.define.PIGJAX_SANITIZE=ON .
+  -C build-dir="$OUT/build" -C cmake.define.PIGJAX_SANITIZE=ON -C cmake.define.PIGJAX_PROFILE=ON .
 echo "sanitize: build took $(( $(date +%s) - start )) s"
 
 # 2. An interpreter that sees the venv's dependencies but not its editable pigjax: a bare venv

@@ -107,12 +107,14 @@ class MagicPigEstimator : public EstimatorDefaults {
 
   std::string Attend(StoreCore& s, const AttendArgs& a, const AttendPlan& plan);
 
+#ifdef PIGJAX_PROFILE
   // Profiling: the distinct candidates of the query heads that share a kv head.
   void ProfileAfterAttend(StoreCore& s, const AttendArgs& a, const AttendPlan& plan) {
     for (int64_t g0 = 0; g0 < plan.items; g0 += plan.group) {
       s.prof.distinct_candidates += DistinctCandidates(s, a.count, g0, plan.group);
     }
   }
+#endif
 
  private:
   struct Worker {
@@ -123,6 +125,7 @@ class MagicPigEstimator : public EstimatorDefaults {
   void AppendToTable(StoreCore& s, const InsertArgs& a, int64_t b, int64_t kvh, int t,
                      int64_t n0, int64_t len, Worker& w);
 
+#ifdef PIGJAX_PROFILE
   // The distinct ids among the (ascending) candidates of query heads g0..g0 + group. They are
   // 73-75% of the candidates at 32k-128k, yet reading those rows once for all the heads gains
   // nothing: in the heads' order, the shared rows are cache hits already (BENCHMARKS.md, "Levers
@@ -143,6 +146,7 @@ class MagicPigEstimator : public EstimatorDefaults {
       }
     }
   }
+#endif  // PIGJAX_PROFILE
 
   const LogCollisionTable log_u_;
   std::vector<Index> index_;     // per pool (StoreCore::PoolIndex)

@@ -316,7 +316,9 @@ NB_MODULE(_pigjax_ffi, m) {
     d["heads"] = p.heads;
     d["ids_walked"] = p.ids_walked;
     d["candidates"] = p.candidates;
-    d["distinct_candidates"] = p.distinct_candidates;
+#ifdef PIGJAX_PROFILE
+    d["distinct_candidates"] = p.distinct_candidates;  // (only in -DPIGJAX_PROFILE=ON builds)
+#endif
     nb::list bins;
     for (uint64_t x : p.candidate_bins) bins.append(x);
     d["candidate_bins"] = bins;

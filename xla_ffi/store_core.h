@@ -34,9 +34,12 @@ struct Profile {
   uint64_t attend_calls = 0, attend_ns = 0, insert_calls = 0, insert_ns = 0;
   uint64_t lookup_ns = 0, score_ns = 0, softmax_ns = 0;
   uint64_t heads = 0, ids_walked = 0, candidates = 0, bytes = 0;
+#ifdef PIGJAX_PROFILE
   // The distinct candidates of the query heads that share a kv head (per batch row), summed:
-  // the rows a gather shared by those heads would read, against `candidates`.
+  // the rows a gather shared by those heads would read, against `candidates`. A reverted
+  // experiment's counter, compiled in only with -DPIGJAX_PROFILE=ON (MagicPigEstimator).
   uint64_t distinct_candidates = 0;
+#endif
   // Candidates by where they lie in the pool: bin b counts ids in [b n / kBins, (b + 1) n / kBins)
   // (oldest tokens first), to see which part of a long context the collisions come from.
   static constexpr int kBins = 16;
@@ -48,7 +51,10 @@ struct Profile {
     attend_calls += o.attend_calls, attend_ns += o.attend_ns, insert_calls += o.insert_calls;
     insert_ns += o.insert_ns, lookup_ns += o.lookup_ns, score_ns += o.score_ns;
     softmax_ns += o.softmax_ns, heads += o.heads, ids_walked += o.ids_walked;
-    candidates += o.candidates, bytes += o.bytes, distinct_candidates += o.distinct_candidates;
+    candidates += o.candidates, bytes += o.bytes;
+#ifdef PIGJAX_PROFILE
+    distinct_candidates += o.distinct_candidates;
+#endif
     for (int b = 0; b < kBins; ++b) candidate_bins[b] += o.candidate_bins[b];
   }
 };
