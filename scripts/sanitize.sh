@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the extension with AddressSanitizer + UndefinedBehaviorSanitizer into build/sanitize and
 # runs the store, FFI, robustness and fuzz tests against it. The build also compiles in the
-# counters of PIGJAX_PROFILE (xla_ffi/CMakeLists.txt), so that their tests run here. Exits non-zero on any failure or any
-# sanitizer report. Needs the repo's .venv (as .ci/run makes it); installs its build tools itself.
+# counters of PIGJAX_PROFILE (xla_ffi/CMakeLists.txt), so that their tests run here. Exits
+# non-zero on any failure or any sanitizer report. Needs the repo's .venv (as .ci/run makes it);
+# installs its build tools itself.
 #
 #   bash scripts/sanitize.sh            # PYTHON=... to use another interpreter
 set -euo pipefail

@@ -317,7 +317,7 @@ def host_bytes_per_token(head_dim: int, num_tables: int, dtype: str = "bfloat16"
 
   pigjax: one row per token, K then V in `dtype`, padded to 16 bytes (|k - mu| is recomputed
   from the row in the kernel; int8 rows keep their two f32 scales in a side array); and a 16-bit
-  id per table (the tables come in segments of 2^16 tokens, xla_ffi/kernels.h TableSegment). Each
+  id per table (the tables come in segments of 2^16 tokens, xla_ffi/lsh_tables.h TableSegment). Each
   segment's CSR offsets (L x (2^K + 1) int32) are per segment, not per token. The original keeps
   bf16 K and V, int32 ids per table and f32 norms (its `hash_table` / `key_norm` tensors).
   """

@@ -9,10 +9,10 @@
 //
 //   static constexpr const char* kName;          its name
 //   using Index = ...;                           what it keeps per pool, beside the rows
-//   static std::string CheckConfig(const StoreConfig&);               its settings (default: none)
-//   static int64_t CodeColumns(const StoreConfig&);                   codes operands' last dim
-//   static uint64_t IndexBytes(const StoreConfig&, CheckedSize&);     a full pool's index
-//   static uint64_t ScratchBytes(const StoreConfig&);                 per worker, beyond the store's
+//   static std::string CheckConfig(const StoreConfig&);            its settings (default: none)
+//   static int64_t CodeColumns(const StoreConfig&);                codes operands' last dim
+//   static uint64_t IndexBytes(const StoreConfig&, CheckedSize&);  a full pool's index
+//   static uint64_t ScratchBytes(const StoreConfig&);              per worker, beyond the store's
 //   E(const StoreConfig&, size_t num_pools, int workers);
 //   uint64_t Bytes() const;                      what it holds now
 //   void Clear(size_t pool);                     a pool emptied
@@ -25,8 +25,8 @@
 //                                                o, lse and count of every query head
 //   void ProfileAfterAttend(StoreCore&, const AttendArgs&, const AttendPlan&);  (default: none)
 //
-// and one entry in AnyEstimator below. The store picks the estimator once per insert or attend
-// call (std::visit, a switch); nothing inside an estimator's loops is virtual.
+// and, here, its #include and one entry in AnyEstimator. The store picks the estimator once per
+// insert or attend call (std::visit, a switch); nothing inside an estimator's loops is virtual.
 //
 // Pure C++: no XLA, no nanobind.
 #ifndef PIGJAX_XLA_FFI_ESTIMATORS_H_
