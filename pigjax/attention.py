@@ -201,7 +201,6 @@ def dense_attend_full(layer: int, q_BTHD, k_BTKD, v_BTKD, cache: DenseCache):
   return out_BTHD, cache
 
 
-
 def merge_attention(o1_BHD: jax.Array, lse1_BH: jax.Array, o2_BHD: jax.Array,
                     lse2_BH: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Log-sum-exp merge of two partial attentions (docs/design.md, "The algorithm", step 10).

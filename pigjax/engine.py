@@ -133,14 +133,14 @@ class Engine:
 
     # Compile everything before the clock starts (compile time is reported separately).
     core, sampler = self.core, UniformSampler(sc)
-    compiled_before = core.compile_s
+    compile_before = core.compile_s
     tok0 = sh.rows(tokens_BP[:, :step_len])
     nval0 = sh.rows(np.clip(lengths_B, 0, step_len))
     prefill = core.programs.get("prefill", core.prefill_chunk, self.params, cache, tok0, nval0,
                                 last_hidden_BE, donate=(1,))
     first = core.programs.get("first", functools.partial(core.first_token, sampler=sampler),
                               self.params, last_hidden_BE, key, history, static=(sampler,))
-    stats.compile_s += core.compile_s - compiled_before
+    stats.compile_s += core.compile_s - compile_before
 
     t0 = time.perf_counter()
     starts = range(0, padded, step_len)
@@ -151,8 +151,8 @@ class Engine:
       n_valid = np.clip(lengths_B - s, 0, step_len).astype(np.int32)
       cache, last_hidden_BE = prefill(self.params, cache, sh.rows(tokens_BP[:, s:s + step_len]),
                                       sh.rows(n_valid), last_hidden_BE)
-    # The backend compiles its own programs on first use (MagicPIG's store maintenance, seconds on first
-    # use) and that time is taken out of prefill_s below. The chunks above are only dispatched:
+    # The backend compiles its own programs on first use (MagicPIG's store maintenance, seconds)
+    # and that time is taken out of prefill_s below. The chunks above are only dispatched:
     # wait for them first, or the prefill running under that compile would be taken out too
     # (a first 2048-token MagicPIG prefill read 3.8 s, the next one 10.6 s, on a loaded machine).
     jax.block_until_ready(last_hidden_BE)
@@ -164,11 +164,11 @@ class Engine:
     stats.prefill_s = time.perf_counter() - t0 - prefill_compile
     stats.compile_s += prefill_compile
 
-    compiled_before = core.compile_s
+    compile_before = core.compile_s
     decode = core.programs.get("decode", functools.partial(core.decode_step, sampler=sampler),
                                self.params, cache, sh.rows(next_B), key, history, donate=(1,),
                                static=(sampler,))
-    stats.compile_s += core.compile_s - compiled_before
+    stats.compile_s += core.compile_s - compile_before
     compile_before = core.compile_s
 
     new_ids: list[list[int]] = [[] for _ in range(B)]

@@ -10,9 +10,9 @@ flag, setting or path ends the start with one `pigjax: error: ...` line; `--debu
 PIGJAX_DEBUG=1) shows the traceback instead. The port is bound before the model loads, so a busy
 port is reported at once.
 
-`--api_key` (repeatable, or comma-separated; also serve.api_keys and PIGJAX_API_KEY) makes every request but
-/health need `Authorization: Bearer <key>`; keep keys out of the process list with absl's
-`--flagfile=FILE` (a file of `--api_key=...` lines). SIGTERM or Ctrl-C drains the server:
+`--api_key` (repeatable or comma-separated; also serve.api_keys and PIGJAX_API_KEY) makes every
+request but /health need `Authorization: Bearer <key>`; keep keys out of the process list with
+PIGJAX_API_KEY or absl's `--flagfile=FILE` (a file of `--api_key=...` lines). SIGTERM or Ctrl-C drains the server:
 new requests get 503 while the running ones finish, for up to serve.shutdown_grace_s seconds,
 then it exits with status 0; a second signal exits at once (docs/serving.md, "Operating").
 """

@@ -31,8 +31,8 @@ costs O(new keys). The C++ kernel (xla_ffi/proxy.h, store_proxy.h) does exactly 
 
 The probe (`scripts/probe_estimators.py`) measured the variants this module was chosen from.
 This is the pure-jnp, mask-based reference (O(pool) per query, static shapes, jit-able), in the
-shape conventions of `pigjax.reference`: B batch, H query heads, K kv heads, G query heads per kv head,
-T pool tokens, D head dim.
+shape conventions of `pigjax.reference`: B batch, H query heads, K kv heads, G query heads per kv
+head, T pool tokens, D head dim.
 """
 
 from __future__ import annotations
