@@ -10,6 +10,7 @@ import sys
 from typing import Callable, NoReturn
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from pigjax import config as config_lib
 
@@ -35,15 +36,34 @@ def fail(error: BaseException | str) -> NoReturn:
   sys.exit(2)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """An `app.run(flags_parser=...)`: checks every `--config.a.b=v` path against the Config
-  dataclasses first (so an unknown key is named with the known ones), then lets absl parse."""
+def check_config_overrides(argv: list[str]) -> None:
+  """Exits with a one-line error naming the known keys if a `--config.a.b=v` in argv names no
+  Config field."""
   for arg in argv[1:]:
     if arg.startswith("--config."):
       try:
         config_lib.check_override_path(arg[len("--config."):].split("=", 1)[0])
       except ValueError as e:
         fail(e)
+
+
+def define_config(default: str = "configs/smollm2_135m.py"):
+  """The `--config` flag (a configs/*.py file with get_config()), for the CLIs and scripts.
+
+  ml_collections reads `--config.*` overrides from sys.argv when the flag is defined, before
+  `parse_flags` runs, so the override paths are checked here first: a mistyped key is one line
+  naming the known keys, not an AttributeError traceback at import.
+  """
+  if not debug_requested():
+    check_config_overrides(sys.argv)
+  return config_flags.DEFINE_config_file("config", default,
+                                         "A configs/*.py file with get_config().")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """An `app.run(flags_parser=...)`: checks every `--config.a.b=v` path against the Config
+  dataclasses first (so an unknown key is named with the known ones), then lets absl parse."""
+  check_config_overrides(argv)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # absl flag errors and ml_collections override errors (bad values)

@@ -21,13 +21,11 @@ import sys
 import jax
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from pigjax import cli, multihost, placement
 from pigjax import config as config_lib
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "A configs/*.py file with get_config().")
+_CONFIG = cli.define_config()
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt text; repeat for a batch.")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Read the prompt from this file.")
 _CHAT = flags.DEFINE_bool("chat", False, "Render the prompt with the model's chat template.")

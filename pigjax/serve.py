@@ -26,14 +26,12 @@ import sys
 import threading
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from pigjax import cli
 from pigjax import config as config_lib
 from pigjax import pipeline, placement
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "A configs/*.py file with get_config().")
+_CONFIG = cli.define_config()
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for all).")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "warning", ["debug", "info", "warning", "error"],

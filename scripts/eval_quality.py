@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 from absl import app, flags
-from ml_collections import config_flags
 
+from pigjax import cli
 from pigjax import config as config_lib
 from pigjax.eval import data, harness, report
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "A configs/*.py file with get_config().")
+_CONFIG = cli.define_config()
 _METHODS = flags.DEFINE_list("methods", list(harness.ORDER), "Methods to run.")
 _BUDGETS = flags.DEFINE_list("budgets", ["10:150", "9:120", "8:75"],
                              "num_bits:num_tables pairs for magicpig (topk/quest are matched).")

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
+from pigjax import cli
 from pigjax import config as config_lib
 from pigjax import lsh
 from pigjax.eval import data, probe
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py",
-                                          "A configs/*.py file with get_config().")
+_CONFIG = cli.define_config()
 _DATA = flags.DEFINE_string("data", str(data.DEFAULT_DIR / "python3.11-doc"),
                             "Directory of cached text (scripts/fetch_data.py).")
 _TOKENS = flags.DEFINE_integer("tokens", 3000, "Prompt tokens (pool = tokens - sink - window).")

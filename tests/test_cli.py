@@ -66,6 +66,17 @@ def test_unknown_config_key_is_named():
     config.from_config_dict(d)
 
 
+def test_mistyped_override_without_config_file_is_one_line():
+  # ml_collections reads the overrides when --config is defined (at import), against the
+  # default config file: the key must be checked before that, not only in parse_flags.
+  out = run_cli("--config.mesh.dat=2", "--prompt", "hi", check=False)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      "pigjax: error: Unknown config key 'dat' in --config.mesh.dat; the keys of config.mesh "
+      "are: data, model.")
+
+
 def test_orbax_round_trip_generates_the_same(tiny_dir, tmp_path):
   subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"),
                   f"--input={tiny_dir}", f"--output={tmp_path / 'ox'}"], check=True,
