@@ -36,7 +36,7 @@ def fail(error: BaseException | str) -> NoReturn:
   sys.exit(2)
 
 
-def check_config_overrides(argv: list[str]) -> None:
+def _check_config_overrides(argv: list[str]) -> None:
   """Exits with a one-line error naming the known keys if a `--config.a.b=v` in argv names no
   Config field."""
   for arg in argv[1:]:
@@ -50,20 +50,21 @@ def check_config_overrides(argv: list[str]) -> None:
 def define_config(default: str = "configs/smollm2_135m.py"):
   """The `--config` flag (a configs/*.py file with get_config()), for the CLIs and scripts.
 
-  ml_collections reads `--config.*` overrides from sys.argv when the flag is defined, before
-  `parse_flags` runs, so the override paths are checked here first: a mistyped key is one line
-  naming the known keys, not an AttributeError traceback at import.
+  ml_collections reads `--config.*` overrides from sys.argv when the flag is defined (at
+  import, before any flags_parser runs), so the override paths are checked here: a mistyped
+  key is one line naming the known keys, not an AttributeError traceback at import.
   """
   if not debug_requested():
-    check_config_overrides(sys.argv)
+    _check_config_overrides(sys.argv)
   return config_flags.DEFINE_config_file("config", default,
                                          "A configs/*.py file with get_config().")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """An `app.run(flags_parser=...)`: checks every `--config.a.b=v` path against the Config
-  dataclasses first (so an unknown key is named with the known ones), then lets absl parse."""
-  check_config_overrides(argv)
+  """An `app.run(flags_parser=...)`: absl's parse, with a bad flag or override value as one line.
+
+  Unknown `--config.*` keys were already named by `define_config`, which must define the flag.
+  """
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # absl flag errors and ml_collections override errors (bad values)
